@@ -1,0 +1,66 @@
+# kubeshard developer entry points. `make run` and `make test` install on first use.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Expensive builds (Kubernetes binaries, demo checkpoints) live outside the clone and
+# are reused by later runs; delete the folder to rebuild from scratch.
+KUBESHARD_CACHE ?= $(HOME)/.cache/kubeshard
+export KUBESHARD_CACHE
+
+STAMP := $(VENV)/.kubeshard-installed
+PACKAGES := proto/pyproject.toml shard_server/pyproject.toml router/pyproject.toml operator/pyproject.toml
+
+.PHONY: help install system-deps run test test-unit test-e2e bench proto k8s-tools cluster cluster-down e2e-kind clean
+
+help: ## list targets
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(STAMP): $(PACKAGES) requirements-dev.txt constraints.txt
+	hack/ensure-system-deps.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt \
+		-e ./proto -e ./shard_server -e ./router -e ./operator
+	touch $@
+
+install: $(STAMP) ## create .venv with the kubeshard CLI and every part (editable)
+
+system-deps: ## install the system packages tests need (redis-server, iproute2, ...)
+	hack/ensure-system-deps.sh
+
+run: install ## serve the demo model on http://127.0.0.1:8080
+	$(VENV)/bin/kubeshard serve
+
+test: install k8s-tools ## run every test (unit, integration, end-to-end)
+	$(PY) -m pytest tests e2e
+
+test-unit: install ## run the tests that need no Kubernetes control plane
+	$(PY) -m pytest tests
+
+test-e2e: install k8s-tools ## run the end-to-end tests on the local control plane
+	$(PY) -m pytest e2e
+
+bench: install ## run the benchmarks; results go to bench/results/
+	$(PY) -m bench.run_all
+
+proto: ## regenerate the gRPC stubs from proto/kubeshard.proto
+	$(PY) -m grpc_tools.protoc -Ikubeshard_proto=proto proto/kubeshard.proto \
+		--python_out=proto --grpc_python_out=proto --pyi_out=proto
+
+k8s-tools: ## build (or reuse) the pinned Kubernetes, etcd and helm binaries
+	hack/k8s-tools.sh
+
+cluster: install k8s-tools ## start the local control plane in the background
+	$(PY) -m e2e.cluster up
+
+cluster-down: ## stop the local control plane
+	$(PY) -m e2e.cluster down
+
+e2e-kind: ## run the e2e suite on a kind cluster (needs Docker and kind)
+	hack/e2e-kind.sh
+
+clean: ## remove the virtual environment and local caches in the clone
+	rm -rf $(VENV) .cache
