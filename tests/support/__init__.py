@@ -1,0 +1,1 @@
+"""Shared test helpers: real servers (Redis) and cached demo checkpoints."""
