@@ -1,0 +1,127 @@
+"""Attention over the paged KV cache, for one engine step.
+
+A step's tokens are laid out as: first one token for each decoding sequence, then the
+prefill chunks, one after another. Every token's K/V is first written to its slot in
+the cache (``slot_mapping``); attention then reads each sequence's context from the
+blocks in its block table.
+
+- Decode tokens use a fused kernel (``kernels.paged_decode``) that reads K/V straight from
+  the blocks; without it, the contexts are gathered into a padded batch.
+- A prefill chunk with nothing before it attends over its own fresh K/V (causal SDPA);
+  a chunk that continues a cached prefix or an earlier chunk gathers that context from
+  its blocks and attends with a bottom-right causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kubeshard_shard.engine import kernels
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int          # index of the chunk's first token in the step's flat batch
+    query_len: int            # tokens in this chunk
+    context_len: int          # tokens of the sequence before this chunk (already in the cache)
+    context_slots: torch.Tensor | None  # [context_len] cache slots of those tokens, or None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor            # [T] cache slot of every token of the step
+    num_decode: int = 0                   # the first num_decode tokens each decode one sequence
+    block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int32
+    context_lens: torch.Tensor | None = None   # [num_decode] int32, including the new token
+    max_context_len: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class KVCache:
+    """The preallocated pool: per layer, K and V of shape [num_blocks * block_size, Hkv, D]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class PagedAttention:
+    """The model's attention backend for one step (``AttentionBackend`` protocol)."""
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
+        self.cache, self.meta = cache, meta
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        meta = self.meta
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        n = meta.num_decode
+        if n:
+            out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                       meta.max_context_len, self.cache.block_size, scale)
+        for chunk in meta.prefills:
+            s, e = chunk.query_start, chunk.query_start + chunk.query_len
+            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale)
+        return out
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    """q: [n, Hq, D]; k/v: [n, Hkv, D] (the chunk's own tokens)."""
+    if chunk.context_len:
+        k = torch.cat((k_cache.index_select(0, chunk.context_slots), k))
+        v = torch.cat((v_cache.index_select(0, chunk.context_slots), v))
+    n, total = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = qh.shape[1] != kh.shape[1]
+    if total == n:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # Query i sits at position context_len + i and sees keys 0..context_len + i.
+        rows = torch.arange(n, device=q.device)[:, None] + (total - n)
+        mask = torch.arange(total, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len: int,
+                     block_size: int, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D], one new token per sequence -> [B, Hq, D]."""
+    if kernels.paged_decode is not None and q.device.type == "cpu":
+        out = torch.empty_like(q)
+        kernels.paged_decode(out, q.contiguous(), k_cache, v_cache, block_tables, context_lens,
+                             block_size, scale)
+        return out
+    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
+                                      block_size, scale)
+
+
+def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, max_context_len: int,
+                               block_size: int, scale: float) -> torch.Tensor:
+    """Gathers every context into a padded [B, L, Hkv, D] batch; portable, used on CUDA
+    and when the CPU kernel is unavailable."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    nblocks = (max_context_len + block_size - 1) // block_size
+    tables = block_tables[:, :nblocks].long()
+    offsets = torch.arange(block_size, device=q.device)
+    slots = (tables[:, :, None] * block_size + offsets).reshape(B, -1)[:, :max_context_len]
+    valid = torch.arange(max_context_len, device=q.device)[None, :] < context_lens[:, None].long()
+    keys = k_cache[slots].transpose(1, 2)      # [B, Hkv, L, D]
+    values = v_cache[slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :],
+                                       scale=scale, enable_gqa=Hq != Hkv)
+    return o[:, :, 0, :]
