@@ -1,0 +1,170 @@
+"""Allocation of KV-cache blocks, with automatic prefix caching.
+
+The pool holds ``num_blocks`` blocks of ``block_size`` token slots. A sequence owns a
+block table (block ids in token order). A *full* block is identified by a hash chained
+over its tokens and all tokens before it, so two prompts that share a prefix share the
+blocks of that prefix by reference count. A block whose count drops to zero stays in
+the cache and goes to the back of the free queue; allocation takes blocks from the
+front, evicting the least recently used cached block only when no plain free block is
+left. Nobody else touches the free queue: ``allocate`` answers False when memory is
+short, and the scheduler preempts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kubeshard_shard.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    # Python's hash of a tuple of ints is deterministic across processes (only str and
+    # bytes hashing is randomized; None hashes by address before 3.12, hence the 0).
+    return hash((0 if parent_hash is None else parent_hash, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: front = next to reuse. Plain blocks go to the
+        # front, cached ones to the back (least recently used first).
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # full prompt blocks looked up
+        self.prefix_hits = 0     # ... and found
+
+    # ---- figures -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free if self.blocks[b].block_hash is not None)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---- hashing -------------------------------------------------------------------
+    def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
+        """Extends ``seq.block_hashes`` to cover every full block within ``upto_tokens``."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= upto_tokens:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+
+    # ---- prefix cache lookup ---------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq`` (not yet held). At least one
+        token is always left to compute, so the step yields logits for sampling."""
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(seq, seq.num_tokens)
+        hits: list[int] = []
+        for h in seq.block_hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        if len(hits) * self.block_size >= seq.num_tokens:
+            hits.pop()
+        self.prefix_queries += (seq.num_tokens - 1) // self.block_size
+        self.prefix_hits += len(hits)
+        return hits
+
+    # ---- allocation ------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
+        needed = self._blocks_needed(seq, num_new_tokens, cached_prefix)
+        reviving = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        return needed + reviving <= len(self.free)
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_prefix) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        if cached_prefix:
+            total = max(total, len(cached_prefix) * self.block_size + num_new_tokens)
+        want = -(-total // self.block_size)
+        return max(want - len(seq.block_table) - len(cached_prefix), 0)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
+        """Makes room for ``num_new_tokens`` more tokens of ``seq`` (after taking the
+        ``cached_prefix`` blocks, if any). Returns False, changing nothing, when the pool
+        cannot hold them."""
+        if not self.can_allocate(seq, num_new_tokens, cached_prefix):
+            return False
+        needed = self._blocks_needed(seq, num_new_tokens, cached_prefix)
+        for block_id in cached_prefix:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        if cached_prefix:
+            seq.num_computed_tokens = len(cached_prefix) * self.block_size
+            seq.num_registered_blocks = len(cached_prefix)
+        for _ in range(needed):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict the least recently used cached block
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Registers the blocks that the last step filled, so later prompts can share them."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        self._update_hashes(seq, full * self.block_size)
+        for i in range(seq.num_registered_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            h = seq.block_hashes[i]
+            if block.block_hash is None and h not in self.cached:
+                block.block_hash = h
+                self.cached[h] = block.block_id
+        seq.num_registered_blocks = full
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Releases the blocks of a finished, aborted or preempted sequence. Its tail
+        blocks are freed first, so they are evicted before the prefix they extend."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.block_hash is None:
+                    self.free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self.free:
+            self.blocks[block_id].block_hash = None
+        self.cached = {b.block_hash: b.block_id for b in self.blocks if b.block_hash is not None}

@@ -1,0 +1,147 @@
+"""Turns a scheduled step into tensors and runs the model on them.
+
+``prepare`` (leader only) flattens the step into a ``StepInputs``: plain tensors that a
+sharded group can broadcast to its other ranks, which then call ``run`` on the same
+inputs. ``run`` writes the step's K/V into the paged cache and returns the logits of
+the rows that need them (the last token of every sequence that samples, plus the
+prompt positions of requests that asked for prompt log-probabilities).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kubeshard_shard.engine.attention import AttentionMetadata, KVCache, PagedAttention, PrefillChunk
+from kubeshard_shard.engine.scheduler import SchedulerOutput
+from kubeshard_shard.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64
+    logits_indices: torch.Tensor   # [R] int64 rows of the step whose logits are needed
+    num_decode: int = 0
+    block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int32
+    context_lens: torch.Tensor | None = None   # [num_decode] int32
+    max_context_len: int = 0
+    # (query_start, query_len, context_len) per prefill chunk; context slots below
+    prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    context_slots: list[torch.Tensor | None] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """What the leader needs to interpret the logits of a step."""
+
+    inputs: StepInputs
+    sample_seqs: list[Sequence]          # rows 0..len-1 of the logits, in order
+    # (sequence, first logits row, number of rows, first prompt token index they predict)
+    prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+class ModelRunner:
+    def __init__(self, model, cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.block_size = cache.block_size
+
+    def prepare(self, sched: SchedulerOutput) -> StepPlan:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+
+        decodes = sched.decodes
+        tables, lens = [], []
+        for seq in decodes:
+            p = seq.num_tokens - 1
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            tables.append(seq.block_table)
+            lens.append(p + 1)
+            sample_rows.append(len(ids) - 1)
+            sample_seqs.append(seq)
+
+        chunks, context_slots = [], []
+        prompt_plan: list[tuple[Sequence, list[int], int]] = []
+        for seq, n in sched.prefills:
+            start = seq.num_computed_tokens
+            end = start + n
+            q_start = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(_slots(seq.block_table, start, end, bs))
+            chunks.append((q_start, n, start))
+            context_slots.append(
+                torch.tensor(_slots(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
+            if seq.params.prefill_details and seq.preemptions == 0:
+                # positions start..last-1 predict prompt tokens start+1..last
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_plan.append((seq, list(range(q_start, q_start + last - start)), start + 1))
+            if end == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+
+        rows = list(sample_rows)
+        prompt_rows = []
+        for seq, chunk_rows, first_token in prompt_plan:
+            prompt_rows.append((seq, len(rows), len(chunk_rows), first_token))
+            rows.extend(chunk_rows)
+
+        block_tables = context_lens = None
+        max_len = 0
+        if decodes:
+            width = max(len(t) for t in tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            context_lens = torch.tensor(lens, dtype=torch.int32)
+            max_len = max(lens)
+        inputs = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(pos, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            logits_indices=torch.tensor(rows, dtype=torch.long),
+            num_decode=len(decodes),
+            block_tables=block_tables,
+            context_lens=context_lens,
+            max_context_len=max_len,
+            prefill_chunks=chunks,
+            context_slots=context_slots,
+        )
+        return StepPlan(inputs, sample_seqs, prompt_rows)
+
+    def metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        dev = self.device
+
+        def to(t):
+            return None if t is None else t.to(dev, non_blocking=True)
+
+        return AttentionMetadata(
+            slot_mapping=to(inputs.slot_mapping),
+            num_decode=inputs.num_decode,
+            block_tables=to(inputs.block_tables),
+            context_lens=to(inputs.context_lens),
+            max_context_len=inputs.max_context_len,
+            prefills=[PrefillChunk(s, n, c, to(cs)) for (s, n, c), cs in zip(inputs.prefill_chunks,
+                                                                           inputs.context_slots)],
+        )
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        attn = PagedAttention(self.cache, self.metadata(inputs))
+        hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
+                            inputs.positions.to(self.device, non_blocking=True), attn)
+        hidden = hidden.index_select(0, inputs.logits_indices.to(self.device, non_blocking=True))
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,103 @@
+"""Batched token selection: penalties, temperature, top-k/top-p/typical-p, seeded draws.
+
+Greedy rows take the argmax. Sampled rows draw with the exponential-race trick
+(argmax of p / q with q ~ Exp(1)), where q comes from the request's own generator:
+the draw of one request depends only on its seed and its own distribution, never on
+what else is in the batch. Results reach the host in one transfer per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubeshard_shard.engine.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    p = seq.params
+    if p.repetition_penalty not in (None, 1.0):
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
+        score = row.index_select(0, seen)
+        score = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+        row.index_copy_(0, seen, score)
+    if p.frequency_penalty or p.presence_penalty:
+        out = seq.output_ids
+        if out:
+            ids = torch.tensor(out, dtype=torch.long, device=row.device)
+            counts = torch.zeros_like(row).index_add_(0, ids, torch.ones(len(out), device=row.device))
+            row -= counts * (p.frequency_penalty or 0.0) + (counts > 0).to(row.dtype) * (p.presence_penalty or 0.0)
+
+
+def filter_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """top-k, top-p and typical-p filters (the Hugging Face warpers' semantics) on one
+    row of temperature-scaled logits; removed entries become -inf."""
+    neg_inf = float("-inf")
+    if p.top_k is not None and 0 < p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, neg_inf)
+    if p.typical_p is not None and p.typical_p < 1.0:
+        logp = torch.log_softmax(row, dim=-1)
+        probs = logp.exp()
+        entropy = -(logp * probs).nansum()
+        shifted = (-logp - entropy).abs()
+        sorted_scores, order = torch.sort(shifted)
+        cumulative = torch.softmax(row.index_select(0, order), dim=-1).cumsum(0)
+        last = int((cumulative < p.typical_p).sum().clamp(max=row.numel() - 1))
+        remove_sorted = sorted_scores > sorted_scores[last]
+        remove = torch.zeros_like(remove_sorted).scatter(0, order, remove_sorted)
+        row = row.masked_fill(remove, neg_inf)
+    if p.top_p is not None and p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row)  # ascending
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(0)
+        remove_sorted = cumulative <= (1 - p.top_p)
+        remove_sorted[-1] = False  # keep at least the most likely token
+        remove = torch.zeros_like(remove_sorted).scatter(0, order, remove_sorted)
+        row = row.masked_fill(remove, neg_inf)
+    return row
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        logits = logits.float()
+        params = [s.params for s in seqs]
+        for i, seq in enumerate(seqs):
+            if seq.params.has_penalties:
+                apply_penalties(logits[i], seq)
+        temps = [p.temperature if p.do_sample else 1.0 for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, device=logits.device)[:, None]
+        logprobs = torch.log_softmax(logits, dim=-1)
+
+        chosen = logits.argmax(dim=-1)
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if not p.do_sample:
+                continue
+            row = filter_logits(logits[i], p)
+            probs = torch.softmax(row, dim=-1)
+            if seq.generator is None:
+                seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
+            race = torch.empty_like(probs).exponential_(generator=seq.generator)
+            chosen[i] = (probs / race).argmax()
+
+        chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+        top_n = max(p.top_n_tokens for p in params)
+        if top_n:
+            top = torch.topk(logprobs, min(top_n, logprobs.shape[-1]), dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+        ids, lps = chosen.tolist(), chosen_logprobs.tolist()
+        result = []
+        for i, p in enumerate(params):
+            alternatives = []
+            if p.top_n_tokens:
+                alternatives = list(zip(top_ids[i][:p.top_n_tokens], top_lps[i][:p.top_n_tokens]))
+            result.append(SampledToken(ids[i], lps[i], alternatives))
+        return result

@@ -1,0 +1,96 @@
+"""A request inside the engine: its tokens, its place in the KV cache, its parameters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated per-request parameters (see ``engine.request`` for the rules)."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    top_n_tokens: int = 0
+    prefill_details: bool = False
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool((self.repetition_penalty not in (None, 1.0)) or self.frequency_penalty
+                    or self.presence_penalty)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.key = 0  # the engine's unique id for this request
+        self.token_ids: list[int] = list(self.prompt_ids)
+        self.num_prompt_tokens = len(self.prompt_ids)
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V are in the cache; the rest are computed by coming steps.
+        self.num_computed_tokens = 0
+        # Prompt tokens that were found in the prefix cache on first scheduling.
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        # Hash of each full block of token_ids, chained over the blocks before it.
+        self.block_hashes: list[int] = []
+        # How many leading blocks have been offered to the prefix cache already.
+        self.num_registered_blocks = 0
+        self.first_scheduled_time: float | None = None
+        self.preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.generator: torch.Generator | None = None
+        self.prefill_logprobs: list[float] | None = None
+        self.seen_first_output = False
+        self.aborted = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
