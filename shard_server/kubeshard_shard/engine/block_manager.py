@@ -43,6 +43,7 @@ class BlockManager:
         # front, cached ones to the back (least recently used first).
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self._cached_free = 0  # free blocks that still hold cached content
         self.prefix_queries = 0  # full prompt blocks looked up
         self.prefix_hits = 0     # ... and found
 
@@ -57,7 +58,7 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free if self.blocks[b].block_hash is not None)
+        return self._cached_free
 
     @property
     def usage(self) -> float:
@@ -119,6 +120,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
+                self._cached_free -= 1
             block.ref_count += 1
             seq.block_table.append(block_id)
         if cached_prefix:
@@ -128,6 +130,7 @@ class BlockManager:
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict the least recently used cached block
+                self._cached_free -= 1
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
                 block.block_hash = None
@@ -161,10 +164,14 @@ class BlockManager:
                 self.free[block_id] = None
                 if block.block_hash is None:
                     self.free.move_to_end(block_id, last=False)
+                else:
+                    self._cached_free += 1
         seq.block_table = []
         seq.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
+        """Forgets the cached content of every free block."""
         for block_id in self.free:
             self.blocks[block_id].block_hash = None
         self.cached = {b.block_hash: b.block_id for b in self.blocks if b.block_hash is not None}
+        self._cached_free = 0

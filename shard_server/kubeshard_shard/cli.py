@@ -1,0 +1,229 @@
+"""The ``kubeshard`` command: demo-model, serve-shard, generate, serve.
+
+Flags are parsed and validated here, once, into typed configs; bad values exit with
+status 2 and a message that names the flag. Heavy imports (torch) happen only in the
+subcommands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from kubeshard_shard import __version__
+
+log = logging.getLogger("kubeshard")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
+    return value
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (auto: float32 on CPU, the checkpoint's on CUDA)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--max-input-tokens", type=positive_int, help="longest prompt accepted (default: total - 1)")
+    g.add_argument("--max-total-tokens", type=positive_int,
+                   help="prompt + generated tokens per request (default: min(model max positions, 4096))")
+    g.add_argument("--max-batch-tokens", type=positive_int, default=2048,
+                   help="token budget of one engine step (prefill chunks + decodes)")
+    g.add_argument("--max-concurrent-requests", type=positive_int, default=512,
+                   help="requests in flight before new ones get RESOURCE_EXHAUSTED")
+    g.add_argument("--max-num-seqs", type=positive_int, default=256, help="largest running batch")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size: bytes (e.g. 2GiB) or a fraction of device memory (e.g. 0.2); "
+                        "default 0.1 of RAM on CPU, 0.9 of free GPU memory on CUDA")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--num-threads", type=positive_int, help="CPU threads for torch (default: all available)")
+
+
+def add_group_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shard group")
+    g.add_argument("--strategy", default=None, choices=["tensor", "zero3"],
+                   help="sharding strategy (default tensor)")
+    g.add_argument("--shards", type=positive_int, default=None, help="processes in the group (WORLD_SIZE)")
+
+
+def engine_config(args):
+    from kubeshard_shard.config import EngineConfig, MemoryBudget
+
+    model_dir = Path(args.model).expanduser()
+    return EngineConfig(
+        model_dir=model_dir,
+        model_id=args.model_id or model_dir.resolve().name,
+        revision=args.revision,
+        dtype=args.dtype,
+        device=args.device,
+        max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_batch_tokens=args.max_batch_tokens,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=MemoryBudget.parse(args.kv_cache_memory) if args.kv_cache_memory else None,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads,
+    )
+
+
+def engine_flag_args(args) -> list[str]:
+    """The engine flags of ``args`` as a serve-shard command line (for the launcher)."""
+    out = ["--dtype", args.dtype, "--device", args.device, "--max-batch-tokens", str(args.max_batch_tokens),
+           "--max-concurrent-requests", str(args.max_concurrent_requests), "--max-num-seqs", str(args.max_num_seqs),
+           "--block-size", str(args.block_size)]
+    for flag in ("max_input_tokens", "max_total_tokens", "kv_cache_memory", "num_threads"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += ["--" + flag.replace("_", "-"), str(value)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kubeshard", description="kubeshard model server and tools")
+    parser.add_argument("--version", action="version", version=f"kubeshard {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("KUBESHARD_LOG_LEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo-model", help="write a deterministic demo checkpoint (random weights, no download)")
+    p.add_argument("dir", help="output folder (created; must be empty)")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--seed", type=non_negative_int, default=0)
+
+    p = sub.add_parser("serve-shard", help="run one model-server process (one rank of a shard group)")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--model-id", help="served model name (default: the folder's name)")
+    p.add_argument("--revision", default="main", help="model revision, part of every cache key")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=port_number, default=50051, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--metrics-port", type=port_number, default=9400, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="grace period for in-flight streams on SIGTERM")
+    add_engine_flags(p)
+    add_group_flags(p)
+    g = p.add_argument_group("rendezvous (rank, world size and leader address)")
+    g.add_argument("--rank", type=non_negative_int, help="this process's rank (or RANK, or the pod ordinal)")
+    g.add_argument("--master-addr", help="leader (rank 0) address (or MASTER_ADDR)")
+    g.add_argument("--master-port", type=port_number, help="rendezvous port (or MASTER_PORT; default 29500)")
+    g.add_argument("--headless-service", help="in a StatefulSet: the group's headless Service; rank comes from "
+                                              "POD_NAME's ordinal and the leader is <statefulset>-0.<service>")
+    g.add_argument("--dist-timeout", type=float, default=60.0,
+                   help="seconds to wait for peers (rendezvous and every collective)")
+    g.add_argument("--offload", choices=["cpu"], help="zero3 on CUDA: keep partitions in pinned host memory")
+
+    p = sub.add_parser("generate", help="send one request to a model server over gRPC and print the text")
+    p.add_argument("prompt")
+    p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of a shard-group leader")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=positive_int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=non_negative_int)
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=120.0)
+
+    p = sub.add_parser("serve", help="serve a model locally: shard groups behind the HTTP router")
+    p.add_argument("--model", help="checkpoint folder (default: a cached `small` llama demo model)")
+    p.add_argument("--model-id", help="served model name (default: the folder's name)")
+    p.add_argument("--revision", default="main")
+    p.add_argument("--host", default="127.0.0.1", help="router address")
+    p.add_argument("--port", type=port_number, default=8080, help="router port")
+    redis = p.add_mutually_exclusive_group()
+    redis.add_argument("--redis-url", help="Redis for the router's cache, counters and rate limits")
+    redis.add_argument("--no-redis", action="store_true", help="run the router without Redis")
+    p.add_argument("--replicas", type=positive_int, default=1, help="shard groups (model replicas)")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag for kubeshard-router (repeatable)")
+    add_engine_flags(p)
+    add_group_flags(p)
+    return parser
+
+
+def cmd_demo_model(args) -> int:
+    from kubeshard_shard.demo_model import write_demo_model
+
+    out = write_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    print(f"wrote {args.arch} {args.size} demo checkpoint (seed {args.seed}) to {out}")
+    return 0
+
+
+def cmd_serve_shard(args) -> int:
+    from kubeshard_shard.distributed.launch import run_shard
+
+    return run_shard(args)
+
+
+def cmd_generate(args) -> int:
+    from kubeshard_shard.client import run_generate
+
+    return run_generate(args)
+
+
+def cmd_serve(args) -> int:
+    from kubeshard_shard.launcher import run_launcher
+
+    return run_launcher(args)
+
+
+COMMANDS = {"demo-model": cmd_demo_model, "serve-shard": cmd_serve_shard, "generate": cmd_generate,
+            "serve": cmd_serve}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from kubeshard_shard.server.serve import configure_logging
+
+    configure_logging(args.log_level)
+    from kubeshard_shard.models.config import CheckpointError
+
+    try:
+        return COMMANDS[args.command](args)
+    except CheckpointError as exc:
+        print(f"kubeshard: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"kubeshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

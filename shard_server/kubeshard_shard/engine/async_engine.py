@@ -1,0 +1,204 @@
+"""Runs the engine loop in a background thread and streams outputs to asyncio callers.
+
+The loop thread owns the engine: callers never touch it, they post commands (add,
+abort) to a queue and wake the loop. Each step's outputs cross back to the event loop
+in one ``call_soon_threadsafe`` call. A cancelled or abandoned stream posts an abort,
+which the loop applies before its next step, freeing the request's KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from kubeshard_shard.engine.llm_engine import EngineStats, LLMEngine, TokenOutput
+from kubeshard_shard.engine.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests (loading, stopped, failed, or lost a peer)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """More requests are in flight than --max-concurrent-requests allows."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed while serving a request."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    outputs: asyncio.Queue
+    key: int | None = None
+    finished: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_concurrent_requests: int,
+                 on_step: Callable[[EngineStats], None] | None = None) -> None:
+        self.engine = engine
+        self.max_concurrent_requests = max_concurrent_requests
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[int, _Stream] = {}   # owned by the loop thread
+        self._in_flight = 0                       # owned by the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.stats = engine.stats()
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def drain(self, timeout: float) -> None:
+        """Stops taking requests and waits (bounded) for the in-flight ones to end."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(("stop", None))
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def fail(self, error: BaseException) -> None:
+        """Marks the engine dead from outside (e.g. a peer rank is gone)."""
+        self.error = error
+        self._commands.put(("fail", error))
+        self._wake.set()
+
+    # ---- requests ----------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        if self.error is not None:
+            raise EngineUnavailable(f"the engine is not serving: {self.error}")
+        if self._stopping or not self.alive:
+            raise EngineUnavailable("the engine is shutting down" if self._stopping else "the engine is not running")
+        if self._in_flight >= self.max_concurrent_requests:
+            raise EngineOverloaded(
+                f"{self._in_flight} requests in flight; the limit is --max-concurrent-requests "
+                f"({self.max_concurrent_requests})")
+        stream = _Stream(request_id, prompt_ids, params, asyncio.Queue())
+        self._in_flight += 1
+        self._commands.put(("add", stream))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish is not None:
+                    stream.finished = True
+                    return
+        finally:
+            self._in_flight -= 1
+            if not stream.finished:
+                self._commands.put(("abort", stream))
+                self._wake.set()
+
+    # ---- the loop thread ---------------------------------------------------------
+    def _apply_commands(self) -> bool:
+        """Applies queued commands; False when the loop must end."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if kind == "add":
+                if self.error is not None:
+                    self._post([(arg, EngineUnavailable(f"the engine is not serving: {self.error}"))])
+                    continue
+                arg.key = self.engine.add_request(arg.request_id, arg.prompt_ids, arg.params)
+                self._streams[arg.key] = arg
+            elif kind == "abort":
+                if arg.key is not None and self._streams.pop(arg.key, None) is not None:
+                    self.engine.abort(arg.key)
+            elif kind == "fail":
+                self._fail_all(arg)
+            elif kind == "stop":
+                self._fail_all(EngineUnavailable("the engine stopped"))
+                return False
+
+    def _fail_all(self, error: BaseException) -> None:
+        exc = error if isinstance(error, (EngineUnavailable, EngineFailed)) else EngineFailed(str(error))
+        posts = [(s, exc) for s in self._streams.values()]
+        for key in list(self._streams):
+            self.engine.abort(key)
+        self._streams.clear()
+        self._post(posts)
+
+    def _post(self, items: list) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_deliver, items)
+
+    def _run(self) -> None:
+        try:
+            while self._apply_commands():
+                if not self.engine.has_work() or self.error is not None:
+                    self._publish_stats()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # the step failed: end every stream, stop serving
+                    log.exception("engine step failed")
+                    self.error = exc
+                    self._fail_all(EngineFailed(f"engine step failed: {exc}"))
+                    continue
+                items = []
+                for out in outputs:
+                    stream = self._streams.get(out.request_key)
+                    if stream is None:
+                        continue
+                    items.append((stream, out))
+                    if out.finish is not None:
+                        del self._streams[out.request_key]
+                self._post(items)
+                self._publish_stats()
+        except BaseException as exc:  # pragma: no cover - last resort: never leave callers hanging
+            log.exception("engine loop crashed")
+            self.error = exc
+            self._fail_all(EngineFailed(f"engine loop crashed: {exc}"))
+
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.stats()
+        if self.on_step is not None:
+            try:
+                self.on_step(self.stats)
+            except Exception:  # metrics must never break serving
+                log.exception("stats callback failed")
+
+
+def _deliver(items: list) -> None:
+    for stream, item in items:
+        stream.outputs.put_nowait(item)

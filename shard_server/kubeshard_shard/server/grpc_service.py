@@ -1,0 +1,195 @@
+"""The gRPC ``kubeshard.v1.TextGeneration`` service of a shard-group leader.
+
+It validates and tokenizes each request, streams the engine's tokens as ``Token``
+messages, and maps failures to status codes with messages that name the problem:
+INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (too many in flight), UNAVAILABLE
+(loading, stopping, or a lost peer) and INTERNAL (the engine failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from kubeshard_proto import pb, pb_grpc
+from kubeshard_shard import __version__
+from kubeshard_shard.engine.async_engine import AsyncEngine, EngineFailed, EngineOverloaded, EngineUnavailable
+from kubeshard_shard.engine.factory import ServedModel
+from kubeshard_shard.engine.llm_engine import EngineStats, TokenOutput
+from kubeshard_shard.engine.request import RequestError, check_prompt, make_sampling_params
+from kubeshard_shard.engine.sequence import FinishReason, SamplingParams
+from kubeshard_shard.server.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+}
+
+
+@dataclass
+class GroupInfo:
+    strategy: str = "tensor"
+    shards: int = 1
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    s, st = request.sampling, request.stopping
+
+    def opt(msg, name):
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    return make_sampling_params(
+        max_new_tokens=st.max_new_tokens,
+        do_sample=s.do_sample,
+        temperature=opt(s, "temperature"),
+        top_k=opt(s, "top_k"),
+        top_p=opt(s, "top_p"),
+        typical_p=opt(s, "typical_p"),
+        repetition_penalty=opt(s, "repetition_penalty"),
+        frequency_penalty=opt(s, "frequency_penalty"),
+        presence_penalty=opt(s, "presence_penalty"),
+        seed=opt(s, "seed"),
+        stop_sequences=list(st.stop_sequences),
+        ignore_eos=st.ignore_eos,
+        top_n_tokens=request.top_n_tokens,
+        prefill_details=request.prefill_details,
+    )
+
+
+def token_message(out: TokenOutput) -> pb.Token:
+    msg = pb.Token(id=out.token_id, text=out.text, logprob=out.logprob, special=out.special, index=out.index)
+    if out.top:
+        msg.top_tokens.extend(pb.TopToken(id=t.token_id, text=t.text, logprob=t.logprob, special=t.special)
+                              for t in out.top)
+    if out.prefill is not None:
+        for p in out.prefill:
+            item = pb.PrefillToken(id=p.token_id, text=p.text)
+            if p.logprob is not None:
+                item.logprob = p.logprob
+            msg.prefill.append(item)
+    if out.finish is not None:
+        f = out.finish
+        msg.finish.CopyFrom(pb.FinishDetails(
+            reason=FINISH_REASONS[f.reason], generated_tokens=f.generated_tokens, prompt_tokens=f.prompt_tokens,
+            cached_prompt_tokens=f.cached_prompt_tokens, queue_time_ns=f.queue_time_ns,
+            inference_time_ns=f.inference_time_ns, preemptions=f.preemptions))
+        if f.seed is not None:
+            msg.finish.seed = f.seed
+    return msg
+
+
+def stats_message(s: EngineStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        waiting=s.waiting, running=s.running, kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
+        kv_blocks_free=s.kv_blocks_free, kv_blocks_cached=s.kv_blocks_cached,
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate, prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits, preemptions_total=s.preemptions_total,
+        generated_tokens_total=s.generated_tokens_total, steps_total=s.steps_total)
+
+
+class TextGenerationService(pb_grpc.TextGenerationServicer):
+    """Answers UNAVAILABLE until ``attach`` hands it a loaded engine."""
+
+    def __init__(self, model_id: str, revision: str, group: GroupInfo) -> None:
+        self.model_id, self.revision, self.group = model_id, revision, group
+        self.served: ServedModel | None = None
+        self.engine: AsyncEngine | None = None
+        self.metrics: EngineMetrics | None = None
+        self.not_serving_reason = "the model is loading"
+
+    def attach(self, served: ServedModel, engine: AsyncEngine, metrics: EngineMetrics | None) -> None:
+        self.served, self.engine, self.metrics = served, engine, metrics
+
+    def serving(self) -> tuple[bool, str]:
+        if self.engine is None:
+            return False, self.not_serving_reason
+        if not self.engine.alive:
+            return False, f"the engine is not running: {self.engine.error or 'stopped'}"
+        return True, ""
+
+    def _prompt(self, request: pb.GenerateRequest, params: SamplingParams) -> list[int]:
+        served = self.served
+        if request.input_ids:
+            ids = list(request.input_ids)
+        else:
+            if not request.inputs:
+                raise RequestError("the prompt is empty: set `inputs` (text) or `input_ids`")
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = served.tokenizer.encode(request.inputs, add_special_tokens=add_special)
+        if request.HasField("truncate"):
+            if request.truncate < 1:
+                raise RequestError(f"truncate must be >= 1, got {request.truncate}")
+            ids = ids[-request.truncate:]
+        check_prompt(ids, params, served.limits, served.model_config.vocab_size)
+        return ids
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        ok, reason = self.serving()
+        if not ok:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        started = time.monotonic()
+        try:
+            params = sampling_params(request)
+            prompt = self._prompt(request, params)
+        except RequestError as exc:
+            self._count("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        first = None
+        last = None
+        try:
+            async for out in self.engine.generate(request.request_id, prompt, params):
+                if first is None:
+                    first = time.monotonic()
+                last = out
+                yield token_message(out)
+        except EngineOverloaded as exc:
+            self._count("overloaded")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineUnavailable as exc:
+            self._count("unavailable")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except EngineFailed as exc:
+            self._count("failed")
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        if self.metrics is not None and last is not None and last.finish is not None:
+            done = time.monotonic()
+            self.metrics.ttft.observe(first - started)
+            self.metrics.e2e.observe(done - started)
+            if last.finish.generated_tokens > 1:
+                self.metrics.tpot.observe((done - first) / (last.finish.generated_tokens - 1))
+            self.metrics.prompt_tokens.inc(last.finish.prompt_tokens)
+            self._count("finished")
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(self.metrics.model, outcome).inc()
+
+    async def Info(self, request, context):
+        served = self.served
+        if served is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.not_serving_reason)
+        cfg, mc = served.config, served.model_config
+        return pb.InfoResponse(
+            model_id=self.model_id, revision=self.revision, architecture=mc.architecture,
+            dtype=str(served.dtype).removeprefix("torch."), device_type=served.device.type,
+            max_input_tokens=served.limits.max_input_tokens, max_total_tokens=served.limits.max_total_tokens,
+            max_batch_tokens=cfg.max_batch_tokens, max_concurrent_requests=cfg.max_concurrent_requests,
+            block_size=cfg.block_size, num_kv_blocks=served.num_kv_blocks, strategy=self.group.strategy,
+            shards=self.group.shards, vocab_size=mc.vocab_size, eos_token_ids=sorted(served.tokenizer.eos_ids),
+            tokenizer_json=served.tokenizer.tokenizer_json,
+            tokenizer_config_json=served.tokenizer.tokenizer_config_json, version=__version__)
+
+    async def Health(self, request, context):
+        ok, reason = self.serving()
+        return pb.HealthResponse(serving=ok, message=reason)
+
+    async def Stats(self, request, context):
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.not_serving_reason)
+        return stats_message(self.engine.stats)
