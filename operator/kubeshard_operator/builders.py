@@ -1,0 +1,428 @@
+"""Pure builders: a typed InferenceService spec -> the manifests of its children.
+
+No I/O and no cluster here: every function returns a plain dict that the reconciler
+applies with server-side apply, and that the unit tests inspect directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Mapping, Optional
+
+from kubeshard_operator import API_VERSION, KIND
+from kubeshard_operator import naming as n
+from kubeshard_operator.config import OperatorConfig
+from kubeshard_operator.spec import InferenceServiceSpec
+
+MODEL_ROOT = "/models"
+# Probe periods: readiness reacts within ~10 s; the startup probe's failure threshold is
+# derived from spec.pod.startupTimeoutSeconds so loading a large model is not killed.
+PROBE_PERIOD = 5
+# A restricted container: non-root, nothing writable but its volumes, no capabilities.
+CONTAINER_SECURITY = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "runAsGroup": 10001,
+    "fsGroup": 10001,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Makes the InferenceService the controller of a child, so deleting it
+    garbage-collects the child and nobody else adopts it."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(spec: InferenceServiceSpec, name: str, owner: Optional[Mapping[str, Any]],
+              labels: Mapping[str, str], annotations: Optional[Mapping[str, str]] = None
+              ) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": spec.namespace,
+        "labels": {**n.common_labels(spec.name), **labels},
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    if owner is not None:
+        meta["ownerReferences"] = [dict(owner)]
+    return meta
+
+
+# -- the shard pod ----------------------------------------------------------------------
+
+
+def model_dir(spec: InferenceServiceSpec) -> str:
+    """Where the shard server finds the weights inside the pod."""
+    source = spec.model.source
+    if source.kind == "pvc":
+        return f"{MODEL_ROOT}/pvc/{source.path}".rstrip("/")
+    return f"{MODEL_ROOT}/model"
+
+
+def shard_image(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
+    if spec.pod.image:
+        return spec.pod.image
+    return cfg.shard_image_cuda if spec.resources.gpu > 0 else cfg.shard_image
+
+
+def shard_args(spec: InferenceServiceSpec, group: str) -> list[str]:
+    """The `kubeshard serve-shard` command line. The rank comes from the pod name's
+    ordinal (POD_NAME) and the leader is pod 0 behind the group's headless Service, so
+    every pod of a group has the same template."""
+    m, e = spec.model, spec.engine
+    args = [
+        "serve-shard",
+        "--model", model_dir(spec),
+        "--model-id", m.name,
+        "--revision", m.revision,
+        "--dtype", m.dtype,
+        "--device", "cuda" if spec.resources.gpu > 0 else "cpu",
+        "--host", "0.0.0.0",
+        "--port", str(n.GRPC_PORT),
+        "--metrics-port", str(n.METRICS_PORT),
+        "--strategy", spec.sharding.strategy,
+        "--shards", str(spec.sharding.shards),
+        "--headless-service", group,
+        "--master-port", str(n.RENDEZVOUS_PORT),
+        "--block-size", str(e.block_size),
+    ]
+    optional = [
+        ("--max-input-tokens", e.max_input_tokens),
+        ("--max-total-tokens", e.max_total_tokens),
+        ("--max-batch-tokens", e.max_batch_tokens),
+        ("--max-concurrent-requests", e.max_concurrent_requests),
+        ("--kv-cache-memory", e.kv_cache_memory),
+    ]
+    for flag, value in optional:
+        if value is not None:
+            args += [flag, str(value)]
+    if not e.prefix_caching:
+        args.append("--no-prefix-caching")
+    return args
+
+
+def shard_env(spec: InferenceServiceSpec, index: int) -> list[dict[str, Any]]:
+    ours: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE",
+         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "KUBESHARD_GROUP", "value": str(index)},
+        # Python writes no .pyc files into the read-only root filesystem.
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    # The user's variables win over ours, and a list with one entry per name keeps
+    # server-side apply happy (env is a map keyed by name).
+    user = {v["name"]: dict(v) for v in spec.pod.env}
+    merged = [user.pop(v["name"], v) for v in ours]
+    return merged + list(user.values())
+
+
+def shard_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    r = spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if r.cpu is not None:
+        requests["cpu"] = r.cpu  # no CPU limit: throttling a decode loop only adds latency
+    if r.memory is not None:
+        requests["memory"] = limits["memory"] = r.memory
+    if r.gpu > 0:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = r.gpu
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, shard container mounts, init containers)."""
+    source = spec.model.source
+    volumes: list[dict[str, Any]] = [
+        # NCCL and torch's shared-memory transport need far more than the 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    inits: list[dict[str, Any]] = []
+    if source.kind == "host":
+        volumes.append({"name": "model",
+                        "hostPath": {"path": source.location, "type": "Directory"}})
+        mounts.append({"name": "model", "mountPath": model_dir(spec), "readOnly": True})
+    elif source.kind == "pvc":
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": source.location, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{MODEL_ROOT}/pvc", "readOnly": True})
+    else:
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": MODEL_ROOT, "readOnly": True})
+    return volumes, mounts, inits
+
+
+def download_container(spec: InferenceServiceSpec, image: str, pull: str) -> dict[str, Any]:
+    """Init container fetching an hf:// model into the pod's model volume."""
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": f"{MODEL_ROOT}/.hf-home"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    token = spec.model.token_secret
+    if token is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": token.name, "key": token.key}}})
+    return {
+        "name": "download",
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": ["hf", "download", spec.model.source.location,
+                    "--revision", spec.model.revision,
+                    "--local-dir", f"{MODEL_ROOT}/model"],
+        "env": env,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_ROOT},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": CONTAINER_SECURITY,
+    }
+
+
+def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) -> dict[str, Any]:
+    group = n.group_name(spec.name, index)
+    image = shard_image(spec, cfg)
+    pull = spec.pod.image_pull_policy or cfg.image_pull_policy
+    volumes, mounts, inits = _volumes(spec)
+    if spec.model.source.kind == "hf":
+        inits.append(download_container(spec, image, pull))
+    grpc_probe = {"grpc": {"port": n.GRPC_PORT}, "periodSeconds": PROBE_PERIOD,
+                  "timeoutSeconds": 3}
+    container = {
+        "name": "shard",
+        "image": image,
+        "imagePullPolicy": pull,
+        "args": shard_args(spec, group),
+        "env": shard_env(spec, index),
+        "ports": [
+            {"name": "grpc", "containerPort": n.GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": n.RENDEZVOUS_PORT, "protocol": "TCP"},
+        ],
+        "resources": shard_resources(spec),
+        "volumeMounts": mounts,
+        # Health stays NOT_SERVING until every rank of the group has loaded, so these
+        # probes mean "the model answers", not "the process is up".
+        "startupProbe": {**grpc_probe, "failureThreshold":
+                         max(1, math.ceil(spec.pod.startup_timeout_seconds / PROBE_PERIOD))},
+        "readinessProbe": {**grpc_probe, "failureThreshold": 2},
+        # Liveness only asks whether the process still listens: a loaded engine that is
+        # busy must not be killed for a slow health answer.
+        "livenessProbe": {"tcpSocket": {"port": n.GRPC_PORT}, "periodSeconds": 10,
+                          "timeoutSeconds": 3, "failureThreshold": 6},
+        "securityContext": CONTAINER_SECURITY,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": POD_SECURITY,
+        # Shards never call the Kubernetes API.
+        "automountServiceAccountToken": False,
+        # Every Service in the namespace would otherwise become environment variables.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.pod.termination_grace_period_seconds,
+    }
+    if inits:
+        pod_spec["initContainers"] = inits
+    tolerations = list(spec.pod.tolerations)
+    if spec.resources.gpu > 0 and not any(
+            t.get("key") == "nvidia.com/gpu" for t in tolerations):
+        # GPU nodes are commonly tainted so only GPU workloads land there.
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists",
+                            "effect": "NoSchedule"})
+    optional = {
+        "nodeSelector": dict(spec.pod.node_selector) or None,
+        "tolerations": tolerations or None,
+        "affinity": dict(spec.pod.affinity) if spec.pod.affinity else None,
+        "serviceAccountName": spec.pod.service_account_name,
+        "priorityClassName": spec.pod.priority_class_name,
+        "imagePullSecrets": [{"name": s} for s in spec.pod.image_pull_secrets] or None,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    labels = {
+        **dict(spec.pod.labels),
+        **n.common_labels(spec.name),
+        **n.group_selector(spec.name, index),
+        "app.kubernetes.io/component": n.COMPONENT_SHARD,
+    }
+    meta: dict[str, Any] = {"labels": labels}
+    if spec.pod.annotations:
+        meta["annotations"] = dict(spec.pod.annotations)
+    return {"metadata": meta, "spec": pod_spec}
+
+
+def template_hash(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
+    """Identifies what the pods of a group run. Groups whose hash differs from the
+    current one are replaced by the rollout. Built for group 0: the index enters the
+    template only through names derived from it, so one hash covers every group."""
+    material = {"shards": spec.sharding.shards, "template": pod_template(spec, cfg, 0)}
+    digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+    return digest[:10]
+
+
+def build_statefulset(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int,
+                      owner: Optional[Mapping[str, Any]] = None,
+                      template_hash_value: Optional[str] = None) -> dict[str, Any]:
+    """One replica group: `shards` pods started together, ordinal = rank."""
+    name = n.group_name(spec.name, index)
+    digest = template_hash_value or template_hash(spec, cfg)
+    template = pod_template(spec, cfg, index)
+    template["metadata"]["labels"][n.LABEL_HASH] = digest
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(spec, name, owner, {
+            **n.group_selector(spec.name, index),
+            "app.kubernetes.io/component": n.COMPONENT_SHARD,
+            n.LABEL_HASH: digest,
+        }),
+        "spec": {
+            "replicas": spec.sharding.shards,
+            "serviceName": name,
+            # All ranks start at once: rank 0 waits for its peers at the rendezvous, so
+            # ordered start-up would deadlock the group.
+            "podManagementPolicy": "Parallel",
+            # The operator replaces whole groups; the StatefulSet must never roll its
+            # pods one by one (a process group cannot take back a single rank).
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": n.group_selector(spec.name, index)},
+            "template": template,
+        },
+    }
+
+
+def build_headless_service(spec: InferenceServiceSpec, index: int,
+                           owner: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """Stable DNS names for a group's pods: `<group>-<rank>.<group>`; rank 0 is the
+    rendezvous address of the others."""
+    name = n.group_name(spec.name, index)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(spec, name, owner, {
+            **n.group_selector(spec.name, index), "app.kubernetes.io/component": "group"}),
+        "spec": {
+            "clusterIP": "None",
+            # Ranks resolve the leader while it is still loading (not ready yet).
+            "publishNotReadyAddresses": True,
+            "selector": n.group_selector(spec.name, index),
+            "ports": [
+                {"name": "grpc", "port": n.GRPC_PORT, "targetPort": n.GRPC_PORT},
+                {"name": "rendezvous", "port": n.RENDEZVOUS_PORT,
+                 "targetPort": n.RENDEZVOUS_PORT},
+            ],
+        },
+    }
+
+
+def build_leader_service(spec: InferenceServiceSpec,
+                         owner: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """One Service over rank 0 of every group. Its EndpointSlices list the ready
+    replicas; the router watches them (labels and the `grpc` port name are its contract)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(spec, n.leader_service_name(spec.name), owner, {
+            n.LABEL_ROLE: "leader", "app.kubernetes.io/component": "leader"}),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": n.leader_selector(spec.name),
+            "ports": [{"name": "grpc", "port": n.GRPC_PORT, "targetPort": "grpc",
+                       "protocol": "TCP", "appProtocol": "grpc"}],
+        },
+    }
+
+
+def build_pdb(spec: InferenceServiceSpec,
+              owner: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """One shard down takes its whole group down, so voluntary disruptions (drains)
+    take one pod at a time: the next eviction waits until that group is ready again."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(spec, spec.name, owner, {"app.kubernetes.io/component": "pdb"}),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": n.shard_selector(spec.name)},
+        },
+    }
+
+
+def build_hpa(spec: InferenceServiceSpec,
+              owner: Optional[Mapping[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """An HPA on the InferenceService's /scale subresource (never on a StatefulSet: the
+    operator turns spec.replicas into groups). None without spec.autoscaling.
+
+    The HPA cannot scale to zero; minReplicas 0 means the operator scales to zero when
+    idle and the router's activator scales back to one."""
+    a = spec.autoscaling
+    if a is None:
+        return None
+    if a.metric == "cpu":
+        metric: dict[str, Any] = {"type": "Resource", "resource": {
+            "name": "cpu", "target": {"type": "Utilization", "averageUtilization": a.target}}}
+    else:
+        # Served by the operator's custom metrics API from the routers' in-flight and
+        # queue counts: the freshest load signal there is (scraped gauges lag).
+        name = {"concurrency": "kubeshard_requests_in_flight",
+                "queueDepth": "kubeshard_requests_queued"}[a.metric]
+        metric = {"type": "Object", "object": {
+            "describedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name},
+            "metric": {"name": name},
+            "target": {"type": "AverageValue", "averageValue": str(a.target)},
+        }}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(spec, spec.name, owner, {"app.kubernetes.io/component": "hpa"}),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name},
+            "minReplicas": max(1, a.min_replicas),
+            "maxReplicas": a.max_replicas,
+            "metrics": [metric],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_seconds},
+                # A group takes long to load: scale down one group at a time.
+                "scaleDown": {
+                    "stabilizationWindowSeconds": a.scale_down_stabilization_seconds,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+                },
+            },
+        },
+    }
+
+
+def service_url(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
+    """status.url: where clients send requests for this model."""
+    if cfg.router_url:
+        return f"{cfg.router_url.rstrip('/')}/models/{spec.model.name}"
+    svc = n.leader_service_name(spec.name)
+    return f"grpc://{svc}.{spec.namespace}.svc:{n.GRPC_PORT}"

@@ -1,0 +1,100 @@
+"""`kubeshard-operator`: parse flags once into an OperatorConfig, then run kopf."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+from typing import Optional, Sequence
+
+import kopf
+from prometheus_client import start_http_server
+
+from kubeshard_operator import __version__
+from kubeshard_operator.config import (
+    DEFAULT_SHARD_IMAGE, DEFAULT_SHARD_IMAGE_CUDA, OperatorConfig,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kubeshard-operator",
+        description="Reconciles kubeshard.io InferenceServices into sharded StatefulSet groups.")
+    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument("--namespace", "-n", action="append", default=[],
+                   help="watch only this namespace (repeatable); default: all namespaces")
+    p.add_argument("--peering", default="kubeshard", metavar="NAME",
+                   help="kopf peering object that elects one acting replica (default: "
+                        "%(default)s; the chart creates it)")
+    p.add_argument("--standalone", action="store_true",
+                   help="no peering: this replica always acts (one replica only)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority; the highest acts. Default: random, so two "
+                        "replicas never tie")
+    p.add_argument("--redis-url", default=os.environ.get("KUBESHARD_REDIS_URL"),
+                   help="Redis whose model keys the finalizer removes (default: "
+                        "$KUBESHARD_REDIS_URL; unset: nothing to clean)")
+    p.add_argument("--router-url", default=os.environ.get("KUBESHARD_ROUTER_URL"),
+                   help="the router Service's base URL, shown in status.url")
+    p.add_argument("--shard-image", default=DEFAULT_SHARD_IMAGE)
+    p.add_argument("--shard-image-cuda", default=DEFAULT_SHARD_IMAGE_CUDA,
+                   help="image of shard pods that request GPUs")
+    p.add_argument("--image-pull-policy", default="IfNotPresent",
+                   choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument("--reconcile-interval", type=float, default=10.0,
+                   help="seconds between reconciles of an unchanged InferenceService")
+    p.add_argument("--health-port", type=int, default=8080,
+                   help="liveness endpoint /healthz (0: off)")
+    p.add_argument("--metrics-port", type=int, default=9090,
+                   help="Prometheus /metrics (0: off)")
+    p.add_argument("--verbose", "-v", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    if args.reconcile_interval <= 0:
+        raise SystemExit("kubeshard-operator: --reconcile-interval must be positive")
+    return OperatorConfig(
+        shard_image=args.shard_image,
+        shard_image_cuda=args.shard_image_cuda,
+        image_pull_policy=args.image_pull_policy,
+        router_url=args.router_url or None,
+        redis_url=args.redis_url or None,
+        reconcile_interval=args.reconcile_interval,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    # kopf logs every watch-event handler call at INFO: keep its per-object chatter out.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    cfg = config_from_args(args)
+    # Imported here so `--help` works without a cluster and handlers register once.
+    from kubeshard_operator.handlers import registry
+
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    priority = args.priority if args.priority is not None else \
+        random.SystemRandom().randint(1, 2**31 - 1)
+    memo = kopf.Memo(config=cfg, priority=priority, peering_mandatory=not args.standalone)
+    kopf.run(
+        registry=registry,
+        memo=memo,
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        priority=priority,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=(f"http://0.0.0.0:{args.health_port}/healthz"
+                           if args.health_port else None),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

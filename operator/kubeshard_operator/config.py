@@ -1,0 +1,35 @@
+"""The operator's one typed configuration, built once by the CLI and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kubeshard_operator import __version__
+
+DEFAULT_SHARD_IMAGE = f"ghcr.io/kubeshard/shard-server:{__version__}"
+DEFAULT_SHARD_IMAGE_CUDA = f"ghcr.io/kubeshard/shard-server:{__version__}-cuda"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    # Image of shard pods without GPUs, and with GPUs (spec.pod.image overrides both).
+    shard_image: str = DEFAULT_SHARD_IMAGE
+    shard_image_cuda: str = DEFAULT_SHARD_IMAGE_CUDA
+    image_pull_policy: str = "IfNotPresent"
+    # Base URL of the router's Service; status.url is "<router_url>/models/<name>".
+    # None: status.url is the leader Service's gRPC address.
+    router_url: Optional[str] = None
+    # Redis holding the router's per-model keys; None: the finalizer has nothing to clean.
+    redis_url: Optional[str] = None
+    # Seconds between two reconciles of an InferenceService when nothing happened (events
+    # on the object and its children wake the reconciler at once).
+    reconcile_interval: float = 10.0
+    # Bounds on the finalizer's Redis cleanup: per-call timeout, and tries before the
+    # finalizer gives up (with a Warning event) so deletion never blocks forever.
+    redis_timeout: float = 3.0
+    redis_cleanup_tries: int = 3
+    # Shortest and longest wait between two restarts of the same group (exponential
+    # backoff in between), so a model that cannot load does not churn pods.
+    group_restart_backoff_min: float = 10.0
+    group_restart_backoff_max: float = 300.0

@@ -1,0 +1,390 @@
+"""The typed, validated InferenceService spec.
+
+The API server already applies the CRD's defaults and CEL rules, so in a cluster
+`parse_spec` only converts. It validates again anyway: builders are also called on plain
+dicts (tests, `kubectl apply` against an older CRD), and a spec the operator cannot turn
+into pods must become a status condition naming the field, never a crash.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional
+
+from kubernetes.utils import parse_quantity
+
+STRATEGIES = ("tensor", "zero3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+METRICS = ("concurrency", "queueDepth", "cpu")
+# Default HPA target per metric: in-flight requests per replica, queued requests per
+# replica, CPU utilization percent of the shard pods' requests.
+DEFAULT_TARGETS = {"concurrency": 8, "queueDepth": 4, "cpu": 80}
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# StatefulSet pods carry a controller-revision-hash label "<sts>-<10 chars>" that must
+# fit in 63 characters, and the StatefulSet is "<name>-g<index>": 47 leaves room for
+# three-digit group indexes.
+MAX_NAME_LENGTH = 47
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from: a Hugging Face repo, a PVC, or a host path."""
+
+    kind: Literal["hf", "pvc", "host"]
+    # hf: "org/name"; pvc: the claim name; host: the absolute path.
+    location: str
+    # pvc: the folder inside the claim ("" = the claim's root); otherwise "".
+    path: str = ""
+    # hf: the @REVISION written in the URI, if any.
+    revision: Optional[str] = None
+
+    @classmethod
+    def parse(cls, uri: str) -> "ModelSource":
+        where = "spec.model.source"
+        if not uri:
+            raise SpecError(f"{where} is required")
+        if uri.startswith("hf://"):
+            repo, _, revision = uri[len("hf://"):].partition("@")
+            if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", repo):
+                raise SpecError(f"{where}: {uri!r} is not hf://ORG/NAME[@REVISION]")
+            return cls("hf", repo, "", revision or None)
+        if uri.startswith("pvc://"):
+            claim, _, path = uri[len("pvc://"):].partition("/")
+            if not _DNS1123_SUBDOMAIN.fullmatch(claim):
+                raise SpecError(f"{where}: {uri!r} is not pvc://CLAIM[/PATH]")
+            if ".." in path.split("/"):
+                raise SpecError(f"{where}: the path inside the claim may not contain '..'")
+            return cls("pvc", claim, path.strip("/"))
+        path = uri[len("file://"):] if uri.startswith("file://") else uri
+        if not path.startswith("/"):
+            raise SpecError(
+                f"{where}: {uri!r} must be hf://ORG/NAME[@REVISION], pvc://CLAIM/PATH, "
+                "file:///ABS/PATH or an absolute host path"
+            )
+        return cls("host", path.rstrip("/") or "/")
+
+
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: ModelSource
+    # The name clients ask for (OpenAI `model`, the router's /models/{name}/ prefix) and
+    # the {model} part of the model's Redis keys.
+    name: str
+    # The {revision} part of the Redis keys; for hf:// sources also what is downloaded.
+    revision: str
+    dtype: str
+    token_secret: Optional[SecretKeyRef]
+
+
+@dataclass(frozen=True)
+class Sharding:
+    strategy: str
+    shards: int
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Per shard (per pod). Quantities stay strings: Kubernetes parses them."""
+
+    cpu: Optional[str]
+    memory: Optional[str]
+    gpu: int
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    min_replicas: int
+    max_replicas: int
+    metric: str
+    target: int
+    idle_seconds: int
+    scale_up_stabilization_seconds: int
+    scale_down_stabilization_seconds: int
+
+
+@dataclass(frozen=True)
+class Engine:
+    max_input_tokens: Optional[int]
+    max_total_tokens: Optional[int]
+    max_batch_tokens: Optional[int]
+    max_concurrent_requests: Optional[int]
+    kv_cache_memory: Optional[str]
+    block_size: int
+    prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class PodOverrides:
+    image: Optional[str]
+    image_pull_policy: Optional[str]
+    image_pull_secrets: tuple[str, ...]
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    affinity: Optional[Mapping[str, Any]]
+    env: tuple[Mapping[str, Any], ...]
+    annotations: Mapping[str, str]
+    labels: Mapping[str, str]
+    service_account_name: Optional[str]
+    priority_class_name: Optional[str]
+    shm_size: str
+    startup_timeout_seconds: int
+    termination_grace_period_seconds: int
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    name: str
+    namespace: str
+    replicas: int
+    model: ModelSpec
+    sharding: Sharding
+    resources: Resources
+    autoscaling: Optional[Autoscaling]
+    engine: Engine
+    pod: PodOverrides
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceServiceSpec:
+    """Builds the typed spec from an InferenceService's `spec` dict (defaults applied)."""
+    if not _DNS1035.fullmatch(name) or len(name) > MAX_NAME_LENGTH:
+        raise SpecError(
+            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits "
+            f"and '-', starting with a letter) of at most {MAX_NAME_LENGTH} characters"
+        )
+    replicas = _int(spec, "replicas", "spec.replicas", default=1, minimum=0)
+    return InferenceServiceSpec(
+        name=name,
+        namespace=namespace,
+        replicas=replicas,
+        model=_model(name, _obj(spec, "model", "spec.model", required=True)),
+        sharding=_sharding(_obj(spec, "sharding", "spec.sharding")),
+        resources=_resources(_obj(spec, "resources", "spec.resources")),
+        autoscaling=_autoscaling(spec.get("autoscaling")),
+        engine=_engine(_obj(spec, "engine", "spec.engine")),
+        pod=_pod(_obj(spec, "pod", "spec.pod")),
+        raw=spec,
+    )
+
+
+def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
+    source = ModelSource.parse(_str(m, "source", "spec.model.source") or "")
+    name = _str(m, "name", "spec.model.name") or default_name
+    if not _MODEL_NAME.fullmatch(name):
+        raise SpecError(f"spec.model.name {name!r} may hold only letters, digits and . _ / -")
+    revision = _str(m, "revision", "spec.model.revision")
+    if source.revision and revision and source.revision != revision:
+        raise SpecError(
+            f"spec.model.revision {revision!r} contradicts the @{source.revision} "
+            "in spec.model.source; give the revision in one place"
+        )
+    dtype = _enum(m, "dtype", "spec.model.dtype", DTYPES, "auto")
+    token = m.get("tokenSecretRef")
+    token_ref = None
+    if token is not None:
+        if not isinstance(token, Mapping) or not token.get("name"):
+            raise SpecError("spec.model.tokenSecretRef.name is required")
+        token_ref = SecretKeyRef(str(token["name"]), str(token.get("key") or "token"))
+    return ModelSpec(source, name, revision or source.revision or "main", dtype, token_ref)
+
+
+def _sharding(s: Mapping[str, Any]) -> Sharding:
+    strategy = _enum(s, "strategy", "spec.sharding.strategy", STRATEGIES, "tensor")
+    shards = _int(s, "shards", "spec.sharding.shards", default=1, minimum=1)
+    return Sharding(strategy, shards)
+
+
+def _resources(r: Mapping[str, Any]) -> Resources:
+    return Resources(
+        cpu=_quantity(r, "cpu", "spec.resources.cpu"),
+        memory=_quantity(r, "memory", "spec.resources.memory"),
+        gpu=_int(r, "gpu", "spec.resources.gpu", default=0, minimum=0),
+    )
+
+
+def _autoscaling(a: Any) -> Optional[Autoscaling]:
+    if a is None:
+        return None
+    if not isinstance(a, Mapping):
+        raise SpecError("spec.autoscaling must be an object")
+    lo = _int(a, "minReplicas", "spec.autoscaling.minReplicas", default=1, minimum=0)
+    hi = _int(a, "maxReplicas", "spec.autoscaling.maxReplicas", default=None, minimum=1)
+    if lo > hi:
+        raise SpecError(
+            f"spec.autoscaling.minReplicas ({lo}) must be less than or equal to "
+            f"spec.autoscaling.maxReplicas ({hi})"
+        )
+    metric = _enum(a, "metric", "spec.autoscaling.metric", METRICS, "concurrency")
+    return Autoscaling(
+        min_replicas=lo,
+        max_replicas=hi,
+        metric=metric,
+        target=_int(a, "target", "spec.autoscaling.target",
+                    default=DEFAULT_TARGETS[metric], minimum=1),
+        idle_seconds=_int(a, "idleSeconds", "spec.autoscaling.idleSeconds",
+                          default=300, minimum=0),
+        scale_up_stabilization_seconds=_int(
+            a, "scaleUpStabilizationSeconds", "spec.autoscaling.scaleUpStabilizationSeconds",
+            default=0, minimum=0, maximum=3600),
+        scale_down_stabilization_seconds=_int(
+            a, "scaleDownStabilizationSeconds",
+            "spec.autoscaling.scaleDownStabilizationSeconds",
+            default=300, minimum=0, maximum=3600),
+    )
+
+
+def _engine(e: Mapping[str, Any]) -> Engine:
+    def opt(key: str) -> Optional[int]:
+        return _int(e, key, f"spec.engine.{key}", default=None, minimum=1)
+
+    engine = Engine(
+        max_input_tokens=opt("maxInputTokens"),
+        max_total_tokens=opt("maxTotalTokens"),
+        max_batch_tokens=opt("maxBatchTokens"),
+        max_concurrent_requests=opt("maxConcurrentRequests"),
+        kv_cache_memory=_kv_memory(e.get("kvCacheMemory")),
+        block_size=_int(e, "blockSize", "spec.engine.blockSize", default=16, minimum=1,
+                        maximum=1024),
+        prefix_caching=bool(e.get("prefixCaching", True)),
+    )
+    if engine.max_input_tokens and engine.max_total_tokens and \
+            engine.max_input_tokens >= engine.max_total_tokens:
+        raise SpecError(
+            f"spec.engine.maxInputTokens ({engine.max_input_tokens}) must be less than "
+            f"spec.engine.maxTotalTokens ({engine.max_total_tokens})"
+        )
+    if engine.max_input_tokens and engine.max_batch_tokens and \
+            engine.max_batch_tokens < engine.max_input_tokens:
+        raise SpecError(
+            f"spec.engine.maxBatchTokens ({engine.max_batch_tokens}) must be at least "
+            f"spec.engine.maxInputTokens ({engine.max_input_tokens})"
+        )
+    return engine
+
+
+def _kv_memory(value: Any) -> Optional[str]:
+    """Bytes as a quantity ("8Gi") or a fraction of free device memory in (0, 1]."""
+    if value is None:
+        return None
+    text = str(value)
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = None
+    if fraction is not None and "." in text:
+        if not 0 < fraction <= 1:
+            raise SpecError(f"spec.engine.kvCacheMemory fraction {text} must be in (0, 1]")
+        return text
+    try:
+        if parse_quantity(text) <= 0:
+            raise SpecError(f"spec.engine.kvCacheMemory {text!r} must be positive")
+    except ValueError:
+        raise SpecError(
+            f"spec.engine.kvCacheMemory {text!r} must be a byte quantity such as 8Gi "
+            "or a fraction such as 0.9"
+        ) from None
+    return text
+
+
+def _pod(p: Mapping[str, Any]) -> PodOverrides:
+    env = tuple(p.get("env") or ())
+    for i, var in enumerate(env):
+        if not isinstance(var, Mapping) or not var.get("name"):
+            raise SpecError(f"spec.pod.env[{i}].name is required")
+    return PodOverrides(
+        image=_str(p, "image", "spec.pod.image"),
+        image_pull_policy=_enum(p, "imagePullPolicy", "spec.pod.imagePullPolicy",
+                                PULL_POLICIES, None),
+        image_pull_secrets=tuple(str(s) for s in p.get("imagePullSecrets") or ()),
+        node_selector=dict(p.get("nodeSelector") or {}),
+        tolerations=tuple(p.get("tolerations") or ()),
+        affinity=p.get("affinity") or None,
+        env=env,
+        annotations=dict(p.get("annotations") or {}),
+        labels=dict(p.get("labels") or {}),
+        service_account_name=_str(p, "serviceAccountName", "spec.pod.serviceAccountName"),
+        priority_class_name=_str(p, "priorityClassName", "spec.pod.priorityClassName"),
+        shm_size=_quantity(p, "shmSize", "spec.pod.shmSize") or "1Gi",
+        startup_timeout_seconds=_int(p, "startupTimeoutSeconds", "spec.pod.startupTimeoutSeconds",
+                                     default=1800, minimum=30),
+        termination_grace_period_seconds=_int(
+            p, "terminationGracePeriodSeconds", "spec.pod.terminationGracePeriodSeconds",
+            default=30, minimum=0),
+    )
+
+
+# -- small typed accessors: every error names its field ------------------------------
+
+
+def _obj(d: Mapping[str, Any], key: str, where: str, required: bool = False) -> Mapping[str, Any]:
+    value = d.get(key)
+    if value is None:
+        if required:
+            raise SpecError(f"{where} is required")
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where} must be an object")
+    return value
+
+
+def _str(d: Mapping[str, Any], key: str, where: str) -> Optional[str]:
+    value = d.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise SpecError(f"{where} must be a string")
+    return value
+
+
+def _int(d: Mapping[str, Any], key: str, where: str, *, default: Optional[int],
+         minimum: Optional[int] = None, maximum: Optional[int] = None) -> Any:
+    value = d.get(key, default)
+    if value is None:
+        if default is None and key in ("maxReplicas",):
+            raise SpecError(f"{where} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where} must be an integer, not {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(f"{where} must be at least {minimum}, not {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(f"{where} must be at most {maximum}, not {value}")
+    return value
+
+
+def _enum(d: Mapping[str, Any], key: str, where: str, allowed: tuple[str, ...],
+          default: Optional[str]) -> Any:
+    value = d.get(key, default)
+    if value is not None and value not in allowed:
+        raise SpecError(f"{where} {value!r} is not one of: {', '.join(allowed)}")
+    return value
+
+
+def _quantity(d: Mapping[str, Any], key: str, where: str) -> Optional[str]:
+    value = d.get(key)
+    if value is None or value == "":
+        return None
+    text = str(value)
+    try:
+        amount = parse_quantity(text)
+    except ValueError:
+        raise SpecError(f"{where} {text!r} is not a quantity such as 500m, 2 or 4Gi") from None
+    if amount < 0:
+        raise SpecError(f"{where} {text!r} must not be negative")
+    return text

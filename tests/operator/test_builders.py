@@ -1,0 +1,180 @@
+from kubeshard_operator import builders as b
+from kubeshard_operator import naming as n
+from tests.operator.factories import CFG, OWNER_BODY, make_spec
+
+
+def container(sts):
+    return sts["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args, name):
+    return args[args.index(name) + 1]
+
+
+def test_statefulset_is_one_group_of_parallel_shards():
+    spec = make_spec()
+    sts = b.build_statefulset(spec, CFG, 1, b.owner_reference(OWNER_BODY))
+    assert sts["metadata"]["name"] == "tiny-g1"
+    assert sts["metadata"]["namespace"] == "ml"
+    assert sts["spec"]["replicas"] == 2  # one pod per shard
+    assert sts["spec"]["serviceName"] == "tiny-g1"
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert sts["spec"]["selector"]["matchLabels"] == {n.LABEL_ISVC: "tiny", n.LABEL_GROUP: "1"}
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert labels[n.LABEL_GROUP] == "1" and labels["app.kubernetes.io/component"] == "shard"
+    assert labels[n.LABEL_HASH] == b.template_hash(spec, CFG)
+    assert labels["app.kubernetes.io/managed-by"] == "kubeshard-operator"
+    owner = sts["metadata"]["ownerReferences"][0]
+    assert owner == {"apiVersion": "kubeshard.io/v1alpha1", "kind": "InferenceService",
+                     "name": "tiny", "uid": "uid-1", "controller": True,
+                     "blockOwnerDeletion": True}
+
+
+def test_shard_command_line_carries_rendezvous_and_engine_limits():
+    spec = make_spec(engine={"maxInputTokens": 100, "maxTotalTokens": 200,
+                             "kvCacheMemory": "0.5", "prefixCaching": False},
+                     model={"source": "/m", "name": "llama", "dtype": "float32"})
+    c = container(b.build_statefulset(spec, CFG, 0))
+    args = c["args"]
+    assert args[0] == "serve-shard"
+    assert flag(args, "--headless-service") == "tiny-g0"
+    assert flag(args, "--shards") == "2" and flag(args, "--strategy") == "tensor"
+    assert flag(args, "--model") == "/models/model" and flag(args, "--model-id") == "llama"
+    assert flag(args, "--dtype") == "float32" and flag(args, "--device") == "cpu"
+    assert flag(args, "--port") == "50051" and flag(args, "--master-port") == "29500"
+    assert flag(args, "--max-input-tokens") == "100"
+    assert flag(args, "--max-total-tokens") == "200"
+    assert flag(args, "--kv-cache-memory") == "0.5"
+    assert "--no-prefix-caching" in args and "--max-batch-tokens" not in args
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_host_path_model_is_mounted_read_only():
+    spec = make_spec(model={"source": "file:///data/llama"})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"]["hostPath"] == {"path": "/data/llama", "type": "Directory"}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models/model", "readOnly": True}
+
+
+def test_pvc_model_points_inside_the_claim():
+    spec = make_spec(model={"source": "pvc://weights/llama/7b"})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    assert flag(pod["containers"][0]["args"], "--model") == "/models/pvc/llama/7b"
+
+
+def test_hf_model_is_downloaded_by_an_init_container():
+    spec = make_spec(model={"source": "hf://org/name@v2",
+                            "tokenSecretRef": {"name": "hf", "key": "tok"}})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    assert init["command"][:3] == ["hf", "download", "org/name"]
+    assert flag(init["command"], "--revision") == "v2"
+    assert flag(init["command"], "--local-dir") == "/models/model"
+    token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "tok"}
+    assert next(v for v in pod["volumes"] if v["name"] == "model")["emptyDir"] == {}
+
+
+def test_pods_get_shared_memory_probes_and_a_restricted_context():
+    spec = make_spec(pod={"shmSize": "2Gi", "startupTimeoutSeconds": 600})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert c["readinessProbe"]["grpc"] == {"port": 50051}
+    assert c["startupProbe"]["grpc"] == {"port": 50051}
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_gpus_select_the_cuda_image_limits_and_toleration():
+    spec = make_spec(resources={"gpu": 1, "memory": "40Gi", "cpu": "4"})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "ghcr.io/kubeshard/shard-server:test-cuda"
+    assert flag(c["args"], "--device") == "cuda"
+    assert c["resources"]["limits"] == {"memory": "40Gi", "nvidia.com/gpu": 1}
+    assert c["resources"]["requests"]["cpu"] == "4"
+    assert "cpu" not in c["resources"]["limits"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
+        in pod["tolerations"]
+
+
+def test_pod_overrides_apply_and_user_env_wins():
+    spec = make_spec(pod={"image": "my/shard:1", "nodeSelector": {"pool": "gpu"},
+                          "env": [{"name": "HOME", "value": "/home"},
+                                  {"name": "EXTRA", "value": "1"}],
+                          "labels": {"team": "ml", n.LABEL_ISVC: "spoofed"}})
+    tpl = b.build_statefulset(spec, CFG, 0)["spec"]["template"]
+    c = tpl["spec"]["containers"][0]
+    assert c["image"] == "my/shard:1"
+    assert tpl["spec"]["nodeSelector"] == {"pool": "gpu"}
+    env = [(e["name"], e.get("value")) for e in c["env"]]
+    assert ("HOME", "/home") in env and ("EXTRA", "1") in env
+    assert len({name for name, _ in env}) == len(env)  # one entry per name
+    assert tpl["metadata"]["labels"]["team"] == "ml"
+    assert tpl["metadata"]["labels"][n.LABEL_ISVC] == "tiny"  # ours win
+
+
+def test_template_hash_ignores_replicas_and_autoscaling_but_not_engine_limits():
+    base = b.template_hash(make_spec(), CFG)
+    assert b.template_hash(make_spec(replicas=5), CFG) == base
+    assert b.template_hash(make_spec(autoscaling={"maxReplicas": 4}), CFG) == base
+    assert b.template_hash(make_spec(engine={"maxTotalTokens": 512}), CFG) != base
+    assert b.template_hash(make_spec(sharding={"shards": 4}), CFG) != base
+
+
+def test_headless_service_publishes_loading_pods():
+    svc = b.build_headless_service(make_spec(), 3)
+    assert svc["metadata"]["name"] == "tiny-g3"
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {n.LABEL_ISVC: "tiny", n.LABEL_GROUP: "3"}
+
+
+def test_leader_service_selects_rank_zero_and_follows_the_router_contract():
+    svc = b.build_leader_service(make_spec())
+    labels = svc["metadata"]["labels"]
+    assert labels[n.LABEL_ISVC] == "tiny" and labels[n.LABEL_ROLE] == "leader"
+    assert svc["spec"]["selector"][n.LABEL_POD_INDEX] == "0"
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "shard"
+    assert svc["spec"]["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc",
+                                     "protocol": "TCP", "appProtocol": "grpc"}]
+
+
+def test_pdb_allows_one_shard_down_at_a_time():
+    pdb = b.build_pdb(make_spec())
+    assert pdb["spec"] == {"maxUnavailable": 1,
+                           "selector": {"matchLabels": n.shard_selector("tiny")}}
+
+
+def test_hpa_targets_the_scale_subresource_and_never_goes_below_one():
+    assert b.build_hpa(make_spec()) is None
+    hpa = b.build_hpa(make_spec(autoscaling={"minReplicas": 0, "maxReplicas": 4}))
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kubeshard.io/v1alpha1",
+                                             "kind": "InferenceService", "name": "tiny"}
+    assert hpa["spec"]["minReplicas"] == 1 and hpa["spec"]["maxReplicas"] == 4
+    metric = hpa["spec"]["metrics"][0]
+    assert metric["object"]["metric"]["name"] == "kubeshard_requests_in_flight"
+    assert metric["object"]["target"] == {"type": "AverageValue", "averageValue": "8"}
+    cpu = b.build_hpa(make_spec(autoscaling={"maxReplicas": 2, "metric": "cpu", "target": 70}))
+    assert cpu["spec"]["metrics"][0]["resource"]["target"] == {
+        "type": "Utilization", "averageUtilization": 70}
+
+
+def test_url_points_at_the_router_or_the_leader_service():
+    from kubeshard_operator.config import OperatorConfig
+    spec = make_spec(model={"source": "/m", "name": "llama"})
+    assert b.service_url(spec, CFG) == \
+        "http://kubeshard-router.kubeshard.svc:8080/models/llama"
+    assert b.service_url(spec, OperatorConfig()) == "grpc://tiny.ml.svc:50051"
