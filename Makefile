@@ -31,8 +31,8 @@ install: $(STAMP) ## create .venv with the kubeshard CLI and every part (editabl
 system-deps: ## install the system packages tests need (redis-server, iproute2, ...)
 	hack/ensure-system-deps.sh
 
-run: install ## serve the demo model on http://127.0.0.1:8080
-	$(VENV)/bin/kubeshard serve
+run: install ## serve the demo model on http://127.0.0.1:8080 (extra flags: make run ARGS="--port 9000")
+	$(VENV)/bin/kubeshard serve $(ARGS)
 
 test: install k8s-tools ## run every test (unit, integration, end-to-end)
 	$(PY) -m pytest tests e2e

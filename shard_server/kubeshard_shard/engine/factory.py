@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from kubeshard_shard.config import EngineConfig, MemoryBudget
+from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import KVCache
 from kubeshard_shard.engine.block_manager import BlockManager
 from kubeshard_shard.engine.llm_engine import LLMEngine
@@ -107,6 +108,8 @@ def build_served_model(config: EngineConfig, strategy_pass: Callable | None = No
     dtype = resolve_dtype(config.dtype, model_config, device)
     model = load_model(config.model_dir, device, config.dtype, max_positions=limits.max_total_tokens,
                        strategy_pass=strategy_pass, config=model_config)
+    if device.type == "cpu" and dtype == torch.float32:
+        kernels.load()
     kv_heads = num_kv_heads or model_config.num_key_value_heads
     num_blocks = kv_cache_blocks(config, model_config, kv_heads, dtype, device, limits)
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
