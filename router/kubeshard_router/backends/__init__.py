@@ -1,0 +1,1 @@
+"""Where replicas come from (static list, Kubernetes) and how the router talks to them."""

@@ -1,0 +1,82 @@
+"""The validated, API-neutral request the router sends to a leader.
+
+Both the TGI and the OpenAI handlers reduce their request to this one dataclass; the
+dispatcher turns it into a ``GenerateRequest`` and the cache derives its key from it, so
+a /generate and a /v1/completions asking for the same thing share a cache entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+import orjson
+
+from kubeshard_proto import pb
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    input_ids: list[int]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    typical_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    top_n_tokens: int = 0
+    prefill_details: bool = False
+
+    @property
+    def deterministic(self) -> bool:
+        """Greedy, or sampled with a fixed seed: the same request gives the same tokens."""
+        return not self.do_sample or self.seed is not None
+
+    def to_proto(self, request_id: str) -> pb.GenerateRequest:
+        sampling = pb.SamplingParameters(do_sample=self.do_sample)
+        if self.do_sample:
+            if self.temperature is not None:
+                sampling.temperature = self.temperature
+            if self.top_k is not None:
+                sampling.top_k = self.top_k
+            if self.top_p is not None:
+                sampling.top_p = self.top_p
+            if self.typical_p is not None:
+                sampling.typical_p = self.typical_p
+            if self.seed is not None:
+                sampling.seed = self.seed
+        if self.repetition_penalty is not None:
+            sampling.repetition_penalty = self.repetition_penalty
+        if self.frequency_penalty is not None:
+            sampling.frequency_penalty = self.frequency_penalty
+        if self.presence_penalty is not None:
+            sampling.presence_penalty = self.presence_penalty
+        return pb.GenerateRequest(
+            request_id=request_id,
+            input_ids=self.input_ids,
+            sampling=sampling,
+            stopping=pb.StoppingCriteria(max_new_tokens=self.max_new_tokens,
+                                         stop_sequences=self.stop, ignore_eos=self.ignore_eos),
+            top_n_tokens=self.top_n_tokens,
+            prefill_details=self.prefill_details,
+        )
+
+    def fingerprint(self) -> str:
+        """A stable digest of everything that decides the output (for cache keys)."""
+        sampled = self.do_sample
+        normalized = (
+            self.input_ids, self.max_new_tokens, sampled,
+            self.temperature if sampled else None, self.top_k if sampled else None,
+            self.top_p if sampled else None, self.typical_p if sampled else None,
+            self.seed if sampled else None,
+            self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
+            list(self.stop), self.ignore_eos, self.top_n_tokens, self.prefill_details,
+        )
+        return hashlib.blake2b(orjson.dumps(normalized), digest_size=20).hexdigest()

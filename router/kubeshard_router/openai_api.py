@@ -1,0 +1,219 @@
+"""OpenAI's HTTP API: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Callable, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kubeshard_proto import pb
+from kubeshard_router import __version__
+from kubeshard_router.backends.registry import ModelState
+from kubeshard_router.cache import CacheControl
+from kubeshard_router.dispatch import RequestContext
+from kubeshard_router.errors import RouterError
+from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
+from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrimmer, chat_logprob,
+                                            trim_stop, usage)
+from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIPlan,
+                                            plan_chat, plan_completion)
+from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
+from kubeshard_router.validation import parse_body
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+
+def _fingerprint(model: ModelState) -> str:
+    return f"kubeshard-{__version__}-{model.revision}"
+
+
+class _Shapes:
+    """Chunk and response builders for one request (chat or text completion)."""
+
+    def __init__(self, chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPlan) -> None:
+        self.chat = chat
+        self.plan = plan
+        self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + ctx.request_id,
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model.name,
+                     "system_fingerprint": _fingerprint(model)}
+        if plan.include_usage:
+            self.base["usage"] = None
+
+    def chunk(self, text: str, finish_reason: Optional[str], logprobs: Optional[dict],
+              role: bool = False) -> bytes:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": text, "tool_calls": None}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse_event({**self.base, "choices": [choice]})
+
+    def token_logprobs(self, t: pb.Token) -> Optional[dict]:
+        if self.plan.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [chat_logprob(t)]}
+        lp = CompletionLogprobs()
+        lp.add_token(t)
+        return lp.as_dict()
+
+
+async def _events(request: Request, model: ModelState, plan: OpenAIPlan, ctx: RequestContext,
+                  control: CacheControl, chat: bool, finish: Callable[[Optional[str], bool], None]
+                  ) -> AsyncIterator[bytes]:
+    state = get_state(request)
+    shapes = _Shapes(chat, model, ctx, plan)
+    trimmer = StopTrimmer(plan.stop)
+    n = 0
+    error_type: Optional[str] = "cancelled"
+    try:
+        async for t in state.generation.stream(model, plan.engine, ctx, control):
+            n += 1
+            out = b""
+            if n == 1:
+                if chat:
+                    out += shapes.chunk("", None, None)
+                elif plan.echo:
+                    out += shapes.chunk(plan.prompt_text, None, None)
+            text = "" if t.special else t.text
+            logprobs = shapes.token_logprobs(t)
+            if t.HasField("finish"):
+                stopped = t.finish.reason == pb.FINISH_REASON_STOP_SEQUENCE
+                out += shapes.chunk(trimmer.finish(text, stopped), FINISH.get(t.finish.reason, "stop"),
+                                    logprobs)
+                if plan.include_usage:
+                    out += sse_event({**shapes.base, "choices": [],
+                                      "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, t.finish)})
+                out += SSE_DONE
+            else:
+                emit = trimmer.feed(text)
+                if emit or logprobs is not None:
+                    out += shapes.chunk(emit, None, logprobs)
+            if out:
+                yield out
+        error_type = None
+    except RouterError as exc:
+        error_type = exc.error_type
+        if n == 0:
+            raise
+        yield sse_event(exc.openai_body())
+    finally:
+        finish(error_type, n > 0)
+
+
+def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPlan,
+              tokens: list[pb.Token]) -> dict:
+    finish = tokens[-1].finish
+    text = trim_stop("".join(t.text for t in tokens if not t.special), plan.stop, finish)
+    reason = FINISH.get(finish.reason, "stop")
+    common = {"created": int(time.time()), "model": model.name,
+              "system_fingerprint": _fingerprint(model),
+              "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, finish)}
+    if chat:
+        logprobs = ({"content": [chat_logprob(t) for t in tokens]} if plan.logprobs is not None else None)
+        return {"id": "chatcmpl-" + ctx.request_id, "object": "chat.completion", **common,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": logprobs, "finish_reason": reason}]}
+    lp = None
+    if plan.logprobs is not None:
+        lp = CompletionLogprobs()
+        if plan.echo:
+            for p in tokens[0].prefill:
+                lp.add(p.text, p.logprob if p.HasField("logprob") else None, None)
+        for t in tokens:
+            lp.add_token(t)
+    return {"id": "cmpl-" + ctx.request_id, "object": "text_completion", **common,
+            "choices": [{"index": 0, "text": (plan.prompt_text + text) if plan.echo else text,
+                         "logprobs": lp.as_dict() if lp is not None else None, "finish_reason": reason}]}
+
+
+async def _serve(request: Request, chat: bool) -> Response:
+    state = get_state(request)
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    model_label = "-"
+    try:
+        key = state.authenticate(request)
+        body = await state.read_body(request)
+        t0 = time.perf_counter()
+        req: Union[ChatCompletionRequest, CompletionRequest] = parse_body(
+            body, ChatCompletionRequest if chat else CompletionRequest)
+        model = state.resolve(req.model)
+        model_label = model.name
+        tokenizer, limits = await state.prepared(model)
+        ctx = state.new_context(request, model.name)
+        t1 = time.perf_counter()
+        plan = (plan_chat(req, tokenizer, limits) if chat  # type: ignore[arg-type]
+                else plan_completion(req, tokenizer, limits))  # type: ignore[arg-type]
+        ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
+        ctx.prompt_tokens = plan.prompt_tokens
+        bucket = await state.check_rate(key, request, plan.prompt_tokens + plan.engine.max_new_tokens)
+    except RouterError as exc:
+        state.metrics.tgi_request_count.inc((model_label,))
+        state.metrics.tgi_request_failure.inc((model_label, exc.error_type))
+        raise
+    control = CacheControl(request.headers.get("cache-control"))
+
+    def finish(error_type: Optional[str], started: bool) -> None:
+        state.generation.record(model.name, ctx, error_type)
+        state.refund(bucket, key, plan.engine.max_new_tokens - ctx.generated_tokens)
+        if started or error_type is None:
+            state.count(model.name, route, 200)
+        elif error_type == "cancelled":
+            state.count(model.name, route, 499)
+
+    if req.stream:
+        return EventStreamResponse(
+            _events(request, model, plan, ctx, control, chat, finish),
+            render_error=lambda exc: error_response(exc, "openai", state, model.name, route),
+            headers={"x-request-id": ctx.request_id, "x-kubeshard-model": model.name},
+            on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
+    try:
+        tokens = await state.generation.collect(model, plan.engine, ctx, control)
+    except RouterError as exc:
+        finish(exc.error_type, False)
+        raise
+    except asyncio.CancelledError:
+        finish("cancelled", False)
+        raise
+    finish(None, True)
+    return ORJSONResponse(_response(chat, model, ctx, plan, tokens),
+                          headers={"x-request-id": ctx.request_id, "x-kubeshard-cache": ctx.cache,
+                                   "x-kubeshard-model": model.name})
+
+
+@router.post("/completions", openapi_extra=json_body_doc(CompletionRequest), summary="Text completion")
+async def completions(request: Request) -> Response:
+    return await _serve(request, chat=False)
+
+
+@router.post("/chat/completions", openapi_extra=json_body_doc(ChatCompletionRequest),
+             summary="Chat completion (the model's chat template)")
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, chat=True)
+
+
+def _model_card(state, model: ModelState) -> dict:
+    info = model.info
+    return {"id": model.name, "object": "model", "created": int(state.started_at), "owned_by": "kubeshard",
+            "root": info.model_id if info else None, "revision": model.revision,
+            "max_model_len": model.limits.max_total_tokens if model.limits else None,
+            "ready_replicas": len(model.ready_replicas)}
+
+
+@router.get("/models", summary="Models served by this router")
+async def list_models(request: Request) -> Response:
+    state = get_state(request)
+    state.authenticate(request)
+    return ORJSONResponse({"object": "list", "data": [_model_card(state, m) for m in
+                                                     sorted(state.registry.models.values(), key=lambda m: m.name)]})
+
+
+@router.get("/models/{model:path}", summary="One model")
+async def get_model(request: Request, model: str) -> Response:
+    state = get_state(request)
+    state.authenticate(request)
+    return ORJSONResponse(_model_card(state, state.resolve(model)))

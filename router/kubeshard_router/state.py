@@ -1,0 +1,221 @@
+"""The router's live parts, wired once per app, and the steps every handler shares."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Iterable, Optional
+
+from fastapi import Request
+from prometheus_client.metrics_core import GaugeMetricFamily
+
+from kubeshard_router.activation import Activator, LoggingScaleUpHook, ScaleUpHook
+from kubeshard_router.auth import ApiKey, ApiKeys, KeyFileWatcher, SecretKeyWatcher
+from kubeshard_router.backends.registry import ModelState, Registry
+from kubeshard_router.backends.source import BackendSource
+from kubeshard_router.balancer import Balancer
+from kubeshard_router.cache import ResponseCache
+from kubeshard_router.config import RouterConfig
+from kubeshard_router.counters import LoadPublisher, ModelLoad
+from kubeshard_router.dispatch import Dispatcher, RequestContext
+from kubeshard_router.errors import ModelNotFound, NoBackend, PayloadTooLarge, RouterError, ValidationFailed
+from kubeshard_router.generation import GenerationService
+from kubeshard_router.metrics import RouterMetrics
+from kubeshard_router.ratelimit import RateLimiter
+from kubeshard_router.redis_store import RedisStore
+from kubeshard_router.tokenization import ModelTokenizer
+from kubeshard_router.validation import Limits
+
+log = logging.getLogger("kubeshard.router")
+
+DEFAULT_ALIAS = "tgi"  # the `model` the text-generation client's chat() sends
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig, sources: list[BackendSource], *,
+                 hook: Optional[ScaleUpHook] = None, balance_mode: str = "prefix") -> None:
+        self.config = config
+        self.sources = sources
+        self.metrics = RouterMetrics()
+        self.registry = Registry(config)
+        self.balancer = Balancer(mode=balance_mode, affinity_blocks=config.affinity_blocks,
+                                 load_factor=config.load_factor)
+        self.activator = Activator(hook or LoggingScaleUpHook(), max_waiting=config.max_queue_per_model,
+                                   timeout_s=config.activation_timeout_s)
+        self.activator.on_scale_up = lambda m: self.metrics.scale_up_calls.labels(m).inc()
+        self.dispatcher = Dispatcher(self.registry, self.balancer, self.activator, self.metrics, config)
+        self.store: Optional[RedisStore] = None
+        cache: Optional[ResponseCache] = None
+        if config.redis_url:
+            self.store = RedisStore(config.redis_url, timeout_s=config.redis_timeout_s,
+                                    retry_s=config.redis_retry_s,
+                                    on_error=lambda op: self.metrics.redis_errors.labels(op).inc())
+            cache = ResponseCache(self.store, ttl_s=config.cache_ttl_s,
+                                  max_entry_bytes=config.cache_max_entry_bytes)
+        self.generation = GenerationService(self.dispatcher, cache, self.metrics)
+        self.ratelimiter = RateLimiter(self.store)
+        self.publisher: Optional[LoadPublisher] = None
+        if self.store is not None:
+            self.publisher = LoadPublisher(self.store, config.router_id, self.load_snapshot,
+                                           interval_s=config.counters_interval_s, ttl_s=config.counters_ttl_s)
+        self.api_keys: Optional[ApiKeys] = None
+        self._key_watchers: list = []
+        if config.api_keys_file or config.api_keys_secret:
+            self.api_keys = ApiKeys()
+            if config.api_keys_file:
+                self._key_watchers.append(KeyFileWatcher(config.api_keys_file, self.api_keys))
+            if config.api_keys_secret:
+                namespace, name = config.api_keys_secret.split("/")
+                self._key_watchers.append(SecretKeyWatcher(namespace, name, self.api_keys))
+        self.draining = False
+        self.started_at = time.time()
+        self.metrics.add_gauges(self._gauges)
+
+    # lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for watcher in self._key_watchers:
+            await asyncio.to_thread(watcher.load)  # a bad key source fails start-up loudly
+            watcher.start()
+        for source in self.sources:
+            await source.start(self.registry)
+        self.dispatcher.watchdog.start()
+        if self.publisher is not None:
+            self.publisher.start()
+
+    def static_models(self) -> list[str]:
+        return [m for s in self.sources for m in s.static_models()]
+
+    async def wait_static_ready(self) -> None:
+        await self.registry.wait_info(self.static_models())
+
+    async def stop(self) -> None:
+        for source in self.sources:
+            await source.stop()
+        for watcher in self._key_watchers:
+            await watcher.close()
+        if self.publisher is not None:
+            await self.publisher.close()
+        await self.dispatcher.watchdog.close()
+        await self.activator.close()
+        await self.registry.close()
+        if self.store is not None:
+            await self.store.close()
+
+    # per-request steps -------------------------------------------------------------------
+
+    def authenticate(self, request: Request) -> Optional[ApiKey]:
+        if self.api_keys is None:
+            return None
+        return self.api_keys.authenticate(request.headers.get("authorization"))
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def default_model(self) -> Optional[str]:
+        if self.config.default_model:
+            return self.config.default_model
+        if len(self.registry.models) == 1:
+            return next(iter(self.registry.models))
+        return None
+
+    def resolve(self, name: Optional[str]) -> ModelState:
+        if name and name in self.registry.models:
+            return self.registry.models[name]
+        if not name or name == DEFAULT_ALIAS:
+            default = self.default_model()
+            if default is None:
+                raise ValidationFailed("`model` is required: this router serves "
+                                       + ", ".join(f"`{m}`" for m in sorted(self.registry.models)),
+                                       param="model")
+            model = self.registry.models.get(default)
+            if model is None:
+                raise ModelNotFound(default, list(self.registry.models))
+            return model
+        raise ModelNotFound(name, list(self.registry.models))
+
+    async def prepared(self, model: ModelState) -> tuple[ModelTokenizer, Limits]:
+        """The model's tokenizer and limits, waiting for a first replica if none was seen yet."""
+        if model.tokenizer is None or model.limits is None:
+            await self.activator.wait_ready(model)
+        if model.tokenizer is None or model.limits is None:
+            raise NoBackend(f"model `{model.name}` has no tokenizer yet: no replica answered Info")
+        return model.tokenizer, model.limits
+
+    async def check_rate(self, key: Optional[ApiKey], request: Request, cost_tokens: int) -> Optional[str]:
+        """Charges the caller's rate limits; returns the bucket name used (for refunds)."""
+        rpm = self.config.rate_limit_rpm
+        tpm = self.config.rate_limit_tpm
+        if key is not None:
+            rpm = key.rpm if key.rpm is not None else rpm
+            tpm = key.tpm if key.tpm is not None else tpm
+            bucket = key.name
+        else:
+            bucket = f"ip:{request.client.host if request.client else 'unknown'}"
+        if rpm <= 0 and tpm <= 0:
+            return None
+        try:
+            await self.ratelimiter.check(bucket, rpm, tpm, cost_tokens)
+        except RouterError:
+            self.metrics.rate_limited.labels(bucket).inc()
+            raise
+        return bucket
+
+    def refund(self, bucket: Optional[str], key: Optional[ApiKey], unused_tokens: int) -> None:
+        if bucket is None:
+            return
+        tpm = key.tpm if key is not None and key.tpm is not None else self.config.rate_limit_tpm
+        self.ratelimiter.refund(bucket, tpm, unused_tokens)
+
+    def new_context(self, request: Request, model: str) -> RequestContext:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return RequestContext(request_id=request_id[:128], model=model)
+
+    # observability -----------------------------------------------------------------------
+
+    def count(self, model: str, route: str, status: int) -> None:
+        self.metrics.requests.labels(model, route, str(status)).inc()
+
+    def load_snapshot(self) -> Iterable[ModelLoad]:
+        for model in self.registry.models.values():
+            yield ModelLoad(model.name, model.revision, model.admission.in_flight,
+                            model.admission.queued + self.activator.waiting.get(model.name, 0))
+
+    def _gauges(self) -> Iterable[GaugeMetricFamily]:
+        queue = GaugeMetricFamily("tgi_queue_size", "Requests waiting in the router queue", labels=["model"])
+        batch = GaugeMetricFamily("tgi_batch_current_size", "Requests in flight to replicas", labels=["model"])
+        in_flight = GaugeMetricFamily("kubeshard_router_in_flight", "Requests in flight", labels=["model"])
+        queued = GaugeMetricFamily("kubeshard_router_queued", "Requests queued, including those held "
+                                   "for activation", labels=["model"])
+        ready = GaugeMetricFamily("kubeshard_router_ready_replicas", "Ready replicas", labels=["model"])
+        replicas = GaugeMetricFamily("kubeshard_router_replicas", "Known replicas", labels=["model"])
+        outstanding = GaugeMetricFamily("kubeshard_router_replica_outstanding", "Requests outstanding "
+                                        "per replica", labels=["model", "replica"])
+        for m in list(self.registry.models.values()):
+            waiting = self.activator.waiting.get(m.name, 0)
+            queue.add_metric([m.name], m.admission.queued + waiting)
+            batch.add_metric([m.name], m.admission.in_flight)
+            in_flight.add_metric([m.name], m.admission.in_flight)
+            queued.add_metric([m.name], m.admission.queued + waiting)
+            ready.add_metric([m.name], len(m.ready_replicas))
+            replicas.add_metric([m.name], len(m.replicas))
+            for r in list(m.replicas.values()):
+                outstanding.add_metric([m.name, r.address], r.outstanding)
+        redis_up = GaugeMetricFamily("kubeshard_router_redis_up", "1 when Redis answers, 0 when not, "
+                                     "absent without Redis")
+        if self.store is not None:
+            redis_up.add_metric([], 1.0 if self.store.up else 0.0)
+        return [queue, batch, in_flight, queued, ready, replicas, outstanding, redis_up]

@@ -1,0 +1,280 @@
+"""TGI's HTTP API: ``/`` (compat), ``/generate``, ``/generate_stream``, ``/info``, ``/health``,
+the same under ``/models/{name}/``, and ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kubeshard_proto import pb
+from kubeshard_router import __version__
+from kubeshard_router.backends.registry import ModelState
+from kubeshard_router.cache import CacheControl
+from kubeshard_router.dispatch import RequestContext
+from kubeshard_router.errors import RouterError
+from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
+from kubeshard_router.sse import EventStreamResponse, sse_event
+from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest, TgiPlan, plan_tgi
+from kubeshard_router.validation import parse_body
+
+router = APIRouter(tags=["TGI"])
+
+FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS_TOKEN: "eos_token",
+                  pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence"}
+
+
+def _token(t: pb.Token) -> dict:
+    return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+
+
+def _top(t: pb.TopToken) -> dict:
+    return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+
+
+def _details(tokens: list[pb.Token], plan: TgiPlan) -> dict:
+    finish = tokens[-1].finish
+    details = {
+        "finish_reason": FINISH_REASONS.get(finish.reason, "length"),
+        "generated_tokens": finish.generated_tokens or len(tokens),
+        "seed": finish.seed if finish.HasField("seed") else None,
+        "prefill": [{"id": p.id, "text": p.text, "logprob": p.logprob if p.HasField("logprob") else None}
+                    for p in tokens[0].prefill] if plan.decoder_input_details else [],
+        "tokens": [_token(t) for t in tokens],
+    }
+    if plan.engine.top_n_tokens:
+        details["top_tokens"] = [[_top(a) for a in t.top_tokens] for t in tokens]
+    return details
+
+
+def timing_headers(ctx: RequestContext, model: ModelState, compute_chars: int) -> dict[str, str]:
+    now = time.perf_counter()
+    end = ctx.end_at or now
+    total = end - ctx.start
+    finish = ctx.finish
+    engine_queue = finish.queue_time_ns / 1e9 if finish is not None and ctx.cache != "hit" else 0.0
+    if finish is not None and finish.inference_time_ns and ctx.cache != "hit":
+        inference = finish.inference_time_ns / 1e9
+    else:
+        inference = end - (ctx.first_token_at or end)
+    per_token = inference / max(1, ctx.generated_tokens)
+    device = model.info.device_type if model.info is not None else "unknown"
+    return {
+        "x-compute-type": "cache" if ctx.cache == "hit" else device,
+        "x-compute-time": f"{total:.6f}",
+        "x-compute-characters": str(compute_chars),
+        "x-total-time": str(int(total * 1000)),
+        "x-validation-time": str(int(ctx.validation_s * 1000)),
+        "x-queue-time": str(int((ctx.queue_s + engine_queue) * 1000)),
+        "x-inference-time": str(int(inference * 1000)),
+        "x-time-per-token": str(int(per_token * 1000)),
+        "x-prompt-tokens": str(ctx.prompt_tokens),
+        "x-generated-tokens": str(ctx.generated_tokens),
+        "x-kubeshard-cache": ctx.cache,
+        "x-kubeshard-model": model.name,
+        "x-request-id": ctx.request_id,
+    }
+
+
+async def _events(request: Request, model: ModelState, req: GenerateRequest, plan: TgiPlan,
+                  ctx: RequestContext, control: CacheControl, finish) -> AsyncIterator[bytes]:
+    state = get_state(request)
+    parts: list[str] = []
+    index = 0
+    top_n = plan.engine.top_n_tokens
+    error_type: Optional[str] = "cancelled"
+    try:
+        async for t in state.generation.stream(model, plan.engine, ctx, control):
+            index += 1
+            if not t.special:
+                parts.append(t.text)
+            event = {"index": index, "token": _token(t),
+                     "top_tokens": [_top(a) for a in t.top_tokens] if top_n else [],
+                     "generated_text": None, "details": None}
+            if t.HasField("finish"):
+                text = "".join(parts)
+                event["generated_text"] = req.inputs + text if plan.return_full_text else text
+                if plan.details:
+                    f = t.finish
+                    event["details"] = {"finish_reason": FINISH_REASONS.get(f.reason, "length"),
+                                        "generated_tokens": f.generated_tokens or index,
+                                        "seed": f.seed if f.HasField("seed") else None,
+                                        "input_length": ctx.prompt_tokens}
+            yield sse_event(event)
+        error_type = None
+    except RouterError as exc:
+        error_type = exc.error_type
+        if index == 0:
+            raise  # nothing sent yet: the response becomes a plain HTTP error
+        yield sse_event(exc.tgi_body())
+    finally:
+        finish(error_type, index > 0)
+
+
+async def _generate(request: Request, model_name: Optional[str], stream: Optional[bool],
+                    route: str) -> Response:
+    state = get_state(request)
+    model_label = model_name or "-"
+    try:
+        key = state.authenticate(request)
+        body = await state.read_body(request)
+        t0 = time.perf_counter()
+        req = parse_body(body, CompatGenerateRequest if stream is None else GenerateRequest)
+        if stream is None:
+            stream = bool(req.stream)  # type: ignore[attr-defined]
+        model = state.resolve(model_name)
+        model_label = model.name
+        tokenizer, limits = await state.prepared(model)
+        ctx = state.new_context(request, model.name)
+        t1 = time.perf_counter()
+        plan = plan_tgi(req, tokenizer, limits, stream=stream)
+        ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
+        ctx.prompt_tokens = plan.prompt_tokens
+        bucket = await state.check_rate(key, request, plan.prompt_tokens + plan.engine.max_new_tokens)
+    except RouterError as exc:
+        state.metrics.tgi_request_count.inc((model_label,))
+        state.metrics.tgi_request_failure.inc((model_label, exc.error_type))
+        raise
+    control = CacheControl(request.headers.get("cache-control"))
+
+    def finish(error_type: Optional[str], started: bool) -> None:
+        state.generation.record(model.name, ctx, error_type)
+        state.refund(bucket, key, plan.engine.max_new_tokens - ctx.generated_tokens)
+        if started or error_type is None:
+            state.count(model.name, route, 200)
+        elif error_type == "cancelled":
+            state.count(model.name, route, 499)  # the client left before the first token
+
+    if stream:
+        headers = {"x-compute-type": model.info.device_type if model.info else "unknown",
+                   "x-request-id": ctx.request_id, "x-kubeshard-model": model.name}
+        return EventStreamResponse(
+            _events(request, model, req, plan, ctx, control, finish),
+            render_error=lambda exc: error_response(exc, "tgi", state, model.name, route),
+            headers=headers,
+            on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
+    try:
+        tokens = await state.generation.collect(model, plan.engine, ctx, control)
+    except RouterError as exc:
+        finish(exc.error_type, False)
+        raise
+    except asyncio.CancelledError:
+        finish("cancelled", False)
+        raise
+    finish(None, True)
+    text = "".join(t.text for t in tokens if not t.special)
+    answer: dict = {"generated_text": req.inputs + text if plan.return_full_text else text}
+    if plan.details:
+        answer["details"] = _details(tokens, plan)
+    headers = timing_headers(ctx, model, len(req.inputs))
+    return ORJSONResponse([answer] if route == "/" else answer, headers=headers)
+
+
+_GEN_DOC = json_body_doc(GenerateRequest)
+_COMPAT_DOC = json_body_doc(CompatGenerateRequest)
+
+
+@router.post("/", openapi_extra=_COMPAT_DOC, summary="Generate (stream or not), as TGI's compat route")
+async def compat_generate(request: Request) -> Response:
+    return await _generate(request, None, None, "/")
+
+
+@router.post("/generate", openapi_extra=_GEN_DOC, summary="Generate a completion (JSON)")
+async def generate(request: Request) -> Response:
+    return await _generate(request, None, False, "/generate")
+
+
+@router.post("/generate_stream", openapi_extra=_GEN_DOC, summary="Generate a completion (SSE)")
+async def generate_stream(request: Request) -> Response:
+    return await _generate(request, None, True, "/generate_stream")
+
+
+@router.post("/models/{model:path}/generate", openapi_extra=_GEN_DOC, summary="Generate with a named model")
+async def model_generate(request: Request, model: str) -> Response:
+    return await _generate(request, model, False, "/generate")
+
+
+@router.post("/models/{model:path}/generate_stream", openapi_extra=_GEN_DOC,
+             summary="Generate with a named model (SSE)")
+async def model_generate_stream(request: Request, model: str) -> Response:
+    return await _generate(request, model, True, "/generate_stream")
+
+
+def _info(request: Request, model_name: Optional[str]) -> Response:
+    state = get_state(request)
+    model = state.resolve(model_name)
+    info = model.info
+    limits = model.limits
+    return ORJSONResponse({
+        "model_id": model.name,
+        "model_sha": info.revision if info else None,
+        "model_dtype": info.dtype if info else None,
+        "model_device_type": info.device_type if info else None,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": (sum(r.info.max_concurrent_requests for r in model.ready_replicas
+                                        if r.info is not None) or None),
+        "max_best_of": 1,
+        "max_stop_sequences": state.config.max_stop_sequences,
+        "max_input_tokens": limits.max_input_tokens if limits else None,
+        "max_total_tokens": limits.max_total_tokens if limits else None,
+        "max_batch_total_tokens": info.max_batch_tokens if info else None,
+        "max_top_n_tokens": state.config.max_top_n_tokens,
+        "served_model_id": info.model_id if info else None,
+        "architecture": info.architecture if info else None,
+        "strategy": info.strategy if info else None,
+        "shards": info.shards if info else None,
+        "replicas": len(model.replicas),
+        "ready_replicas": len(model.ready_replicas),
+        "router": "kubeshard-router",
+        "version": __version__,
+        "sha": None,
+        "docker_label": None,
+    })
+
+
+@router.get("/info", summary="Model and limits of the default model")
+async def info(request: Request) -> Response:
+    return _info(request, None)
+
+
+@router.get("/models/{model:path}/info", summary="Model and limits of a named model")
+async def model_info(request: Request, model: str) -> Response:
+    return _info(request, model)
+
+
+def _health(request: Request, model_name: Optional[str]) -> Response:
+    state = get_state(request)
+    if state.draining:
+        return ORJSONResponse({"error": "router is shutting down", "error_type": "unhealthy"}, status_code=503)
+    models = [state.resolve(model_name)] if model_name else list(state.registry.models.values())
+    down = [m.name for m in models if not m.ready_replicas]
+    if down:
+        return ORJSONResponse({"error": "no ready replica for model(s): " + ", ".join(down),
+                               "error_type": "unhealthy"}, status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/health", summary="200 when every model has a ready replica")
+async def health(request: Request) -> Response:
+    return _health(request, None)
+
+
+@router.get("/models/{model:path}/health", summary="200 when the model has a ready replica")
+async def model_health(request: Request, model: str) -> Response:
+    return _health(request, model)
+
+
+@router.post("/models/{model:path}", openapi_extra=_COMPAT_DOC,
+             summary="TGI compat route of a named model (client base_url = /models/{model})")
+async def model_compat_generate(request: Request, model: str) -> Response:
+    return await _generate(request, model, None, "/")
+
+
+@router.get("/metrics", summary="Prometheus metrics", tags=["Observability"])
+async def metrics(request: Request) -> Response:
+    state = get_state(request)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,136 @@
+"""TGI's request models (``/``, ``/generate``, ``/generate_stream``) and its parameter rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kubeshard_router.engine_request import EngineRequest
+from kubeshard_router.errors import ValidationFailed
+from kubeshard_router.tokenization import ModelTokenizer
+from kubeshard_router.validation import (UINT32_MAX, Limits, check_budget, check_seed,
+                                         check_stop)
+
+
+class GenerateParameters(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    best_of: Optional[int] = Field(None, description="Only 1 is supported.")
+    decoder_input_details: bool = Field(False, description="Return the prompt tokens with logprobs.")
+    details: bool = Field(False, description="Return generation details.")
+    do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
+    frequency_penalty: Optional[float] = Field(None, description="In [-2, 2].")
+    grammar: Optional[Any] = Field(None, description="Not supported; must be null.")
+    max_new_tokens: Optional[int] = Field(None, description="Default: what the total-token limit leaves.")
+    repetition_penalty: Optional[float] = Field(None, description="> 0; 1 means no penalty.")
+    return_full_text: Optional[bool] = Field(None, description="Prepend the prompt to generated_text.")
+    seed: Optional[int] = Field(None, description="Random seed for sampling.")
+    stop: list[str] = Field(default_factory=list, description="Stop sequences (kept in the text).")
+    temperature: Optional[float] = Field(None, description="> 0; implies sampling unless 1.0.")
+    top_k: Optional[int] = Field(None, description="> 0; implies sampling.")
+    top_n_tokens: Optional[int] = Field(None, description="Alternatives per token, <= the server max.")
+    top_p: Optional[float] = Field(None, description="In (0, 1]; implies sampling below 1.")
+    truncate: Optional[int] = Field(None, description="Keep only the last N prompt tokens.")
+    typical_p: Optional[float] = Field(None, description="In (0, 1]; implies sampling below 1.")
+    watermark: bool = Field(False, description="Not supported; must be false.")
+    adapter_id: Optional[str] = Field(None, description="Not supported; must be null.")
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    inputs: str = Field(..., description="The prompt.")
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS).")
+
+
+class CompatGenerateRequest(GenerateRequest):
+    """``POST /``: /generate or /generate_stream, chosen by ``stream``."""
+
+    stream: bool = False
+
+
+@dataclass(slots=True)
+class TgiPlan:
+    """A validated TGI request: what to send and how to render the answer."""
+
+    engine: EngineRequest
+    prompt_tokens: int
+    return_full_text: bool
+    details: bool
+    decoder_input_details: bool
+
+
+def _positive(value: Optional[float], name: str) -> None:
+    if value is not None and value <= 0:
+        raise ValidationFailed(f"`{name}` must be strictly positive", param=name)
+
+
+def _unit_interval(value: Optional[float], name: str) -> Optional[float]:
+    if value is None:
+        return None
+    if value <= 0.0 or value > 1.0:
+        raise ValidationFailed(f"`{name}` must be > 0.0 and < 1.0", param=name)
+    return None if value == 1.0 else value
+
+
+def plan_tgi(req: GenerateRequest, tokenizer: ModelTokenizer, limits: Limits, *,
+             stream: bool) -> TgiPlan:
+    p = req.parameters
+    if p.best_of is not None and p.best_of != 1:
+        if p.best_of <= 0:
+            raise ValidationFailed(f"`best_of` must be > 0 and <= 1. Given: {p.best_of}", param="best_of")
+        raise ValidationFailed(f"`best_of` > 1 is not supported by kubeshard (one sequence per "
+                               f"request). Given: {p.best_of}", param="best_of")
+    if p.watermark:
+        raise ValidationFailed("`watermark` is not supported by kubeshard", param="watermark")
+    if p.grammar is not None:
+        raise ValidationFailed("`grammar` is not supported by kubeshard", param="grammar")
+    if p.adapter_id is not None:
+        raise ValidationFailed("`adapter_id` is not supported by kubeshard", param="adapter_id")
+    if stream and p.decoder_input_details:
+        raise ValidationFailed("`decoder_input_details` == true is not supported when streaming tokens",
+                               param="decoder_input_details")
+    _positive(p.temperature, "temperature")
+    _positive(p.repetition_penalty, "repetition_penalty")
+    _positive(p.top_k, "top_k")
+    if p.frequency_penalty is not None and not (-2.0 <= p.frequency_penalty <= 2.0):
+        raise ValidationFailed("`frequency_penalty` must be >= -2.0 and <= 2.0", param="frequency_penalty")
+    top_p = _unit_interval(p.top_p, "top_p")
+    typical_p = _unit_interval(p.typical_p, "typical_p")
+    if p.max_new_tokens is not None and p.max_new_tokens <= 0:
+        raise ValidationFailed("`max_new_tokens` must be strictly positive", param="max_new_tokens")
+    top_n = p.top_n_tokens or 0
+    if top_n < 0 or top_n > limits.max_top_n_tokens:
+        raise ValidationFailed(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                               f"Given: {top_n}", param="top_n_tokens")
+    stop = check_stop(p.stop, limits)
+    seed = check_seed(p.seed)
+    if p.truncate is not None and (p.truncate <= 0 or p.truncate > limits.max_input_tokens):
+        raise ValidationFailed(f"`truncate` must be strictly positive and less than "
+                               f"{limits.max_input_tokens}. Given: {p.truncate}", param="truncate")
+    if not req.inputs:
+        raise ValidationFailed("`inputs` cannot be empty", param="inputs")
+
+    ids = tokenizer.encode(req.inputs, add_special_tokens=req.add_special_tokens)
+    if p.truncate is not None and len(ids) > p.truncate:
+        ids = ids[-p.truncate:]
+    max_new = check_budget(len(ids), p.max_new_tokens, limits,
+                           input_field="inputs", max_new_field="max_new_tokens")
+    temperature = p.temperature
+    # TGI samples whenever a warper is set, even without do_sample.
+    do_sample = (p.do_sample or (temperature is not None and temperature != 1.0)
+                 or p.top_k is not None or top_p is not None or typical_p is not None)
+    engine = EngineRequest(
+        input_ids=ids, max_new_tokens=max_new, do_sample=do_sample,
+        temperature=temperature,
+        top_k=min(p.top_k, limits.vocab_size, UINT32_MAX) if p.top_k is not None else None,
+        top_p=top_p, typical_p=typical_p, repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty, seed=seed, stop=stop, top_n_tokens=top_n,
+        prefill_details=p.decoder_input_details,
+    )
+    return TgiPlan(engine=engine, prompt_tokens=len(ids),
+                   return_full_text=bool(p.return_full_text), details=p.details,
+                   decoder_input_details=p.decoder_input_details)
