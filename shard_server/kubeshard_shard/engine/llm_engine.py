@@ -152,6 +152,7 @@ class LLMEngine:
         )
 
     # ---- the step ------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         started = time.perf_counter()
         sched = self.scheduler.schedule()

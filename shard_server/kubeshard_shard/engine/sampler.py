@@ -66,6 +66,7 @@ def filter_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logits = logits.float()
         params = [s.params for s in seqs]

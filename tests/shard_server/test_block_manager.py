@@ -1,0 +1,81 @@
+"""The block allocator and prefix cache: exact block ids, sharing and eviction order."""
+
+from __future__ import annotations
+
+from kubeshard_shard.engine.block_manager import BlockManager
+from kubeshard_shard.engine.sequence import SamplingParams, Sequence
+
+
+def seq(tokens, rid="r"):
+    return Sequence(rid, list(tokens), SamplingParams(max_new_tokens=4))
+
+
+def admit(bm: BlockManager, s: Sequence) -> list[int]:
+    cached = bm.find_cached_prefix(s)
+    start = len(cached) * bm.block_size
+    assert bm.allocate(s, s.num_tokens - start, cached)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+    return cached
+
+
+def test_allocates_blocks_in_order_and_frees_them():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(10))
+    admit(bm, a)
+    assert a.block_table == [0, 1, 2]
+    assert bm.num_free_blocks == 5
+    bm.free_sequence(a)
+    assert bm.num_free_blocks == 8 and a.block_table == []
+
+
+def test_shared_prefix_reuses_blocks_by_reference():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(bm, a)
+    b = seq([1, 2, 3, 4, 5, 6, 7, 8, 42, 43], "b")
+    cached = admit(bm, b)
+    assert cached == [0, 1]                       # the two full blocks of the shared prefix
+    assert b.block_table[:2] == [0, 1] and b.block_table[2] == 3
+    assert bm.blocks[0].ref_count == 2 and bm.blocks[1].ref_count == 2
+    assert bm.prefix_hits == 2
+
+
+def test_whole_prompt_cached_still_computes_last_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(8))
+    admit(bm, a)
+    bm.free_sequence(a)
+    b = seq(range(8), "b")
+    cached = bm.find_cached_prefix(b)
+    assert cached == [0]  # the last block is recomputed so the step yields logits
+
+
+def test_eviction_is_lru_and_tail_first():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq([1, 2, 3, 4])          # blocks 0, 1 (both full, cached)
+    admit(bm, a)
+    bm.free_sequence(a)            # freed tail first: free order 2, 3, then 1, 0
+    assert list(bm.free) == [2, 3, 1, 0]
+    assert bm.num_cached_free_blocks == 2
+    c = seq([9, 9, 8, 8, 7, 7], "c")  # needs 3 blocks: takes 2, 3, then evicts 1 (a's tail)
+    admit(bm, c)
+    assert c.block_table == [2, 3, 1]
+    assert bm.blocks[0].block_hash is not None and bm.blocks[1].block_hash is not None  # 1 re-cached for c
+    d = seq([1, 2, 5, 5], "d")
+    assert bm.find_cached_prefix(d) == [0]   # a's head survived
+
+
+def test_allocation_failure_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a = seq(range(12))
+    assert not bm.allocate(a, 12)
+    assert a.block_table == [] and bm.num_free_blocks == 2
+
+
+def test_prefix_caching_can_be_disabled():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = seq(range(9))
+    admit(bm, a)
+    b = seq(range(9), "b")
+    assert bm.find_cached_prefix(b) == []
