@@ -1,0 +1,45 @@
+"""The finalizer's Redis cleanup against a real redis-server."""
+
+import socket
+import time
+
+import pytest
+import redis
+
+from kubeshard_operator.cleanup import delete_model_keys, model_key_pattern, redact
+
+
+def test_removes_every_revision_of_the_model_and_nothing_else(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    for i in range(1200):  # more than one SCAN/UNLINK batch
+        r.set(f"kubeshard:tiny:main:cache:{i}", "x")
+    r.set("kubeshard:tiny:v2:inflight:router-1", 3)
+    r.set("kubeshard:tiny-2:main:cache:a", "keep")  # a model whose name extends ours
+    r.set("kubeshard:other:main:cache:a", "keep")
+    assert delete_model_keys(redis_url, "tiny") == 1201
+    assert sorted(r.keys("*")) == [b"kubeshard:other:main:cache:a",
+                                   b"kubeshard:tiny-2:main:cache:a"]
+
+
+def test_glob_characters_in_a_model_name_match_literally(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.set("kubeshard:a*:main:x", 1)
+    r.set("kubeshard:abc:main:x", 1)
+    assert model_key_pattern("a*") == "kubeshard:a\\*:*"
+    assert delete_model_keys(redis_url, "a*") == 1
+    assert r.exists("kubeshard:abc:main:x")
+
+
+def test_unreachable_redis_fails_fast_instead_of_blocking():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises((redis.RedisError, OSError)):
+        delete_model_keys(f"redis://127.0.0.1:{port}/0", "tiny", timeout=0.5)
+    assert time.monotonic() - started < 5
+
+
+def test_redact_hides_passwords():
+    assert redact("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact("redis://host:6379/0") == "redis://host:6379/0"
