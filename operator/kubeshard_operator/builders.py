@@ -421,8 +421,9 @@ def build_hpa(spec: InferenceServiceSpec,
 
 
 def service_url(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
-    """status.url: where clients send requests for this model."""
+    """status.url: where clients send requests for this model. The router names a model
+    after its InferenceService (metadata.name), so that is the path's model."""
     if cfg.router_url:
-        return f"{cfg.router_url.rstrip('/')}/models/{spec.model.name}"
+        return f"{cfg.router_url.rstrip('/')}/models/{spec.name}"
     svc = n.leader_service_name(spec.name)
     return f"grpc://{svc}.{spec.namespace}.svc:{n.GRPC_PORT}"

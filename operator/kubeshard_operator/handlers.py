@@ -174,12 +174,17 @@ def remove_redis_keys(name: str, namespace: str, spec: dict, body: Any, retry: i
     cfg: OperatorConfig = memo.config
     if not cfg.redis_url:
         return
+    # The router keys a model by its InferenceService's name; spec.model.name (the
+    # engine's model id) may differ, so both go.
+    models = {name}
     try:
-        model = parse_spec(name, namespace, spec).model.name
+        models.add(parse_spec(name, namespace, spec).model.name)
     except SpecError:
-        model = (spec.get("model") or {}).get("name") or name
+        pass
+    model = ", ".join(sorted(models))
     try:
-        removed = delete_model_keys(cfg.redis_url, model, timeout=cfg.redis_timeout)
+        removed = sum(delete_model_keys(cfg.redis_url, m, timeout=cfg.redis_timeout)
+                      for m in sorted(models))
     except (redis.RedisError, OSError) as e:
         reason = f"{type(e).__name__}: {e}"
         if retry + 1 >= cfg.redis_cleanup_tries:

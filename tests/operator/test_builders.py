@@ -176,5 +176,5 @@ def test_url_points_at_the_router_or_the_leader_service():
     from kubeshard_operator.config import OperatorConfig
     spec = make_spec(model={"source": "/m", "name": "llama"})
     assert b.service_url(spec, CFG) == \
-        "http://kubeshard-router.kubeshard.svc:8080/models/llama"
+        "http://kubeshard-router.kubeshard.svc:8080/models/tiny"
     assert b.service_url(spec, OperatorConfig()) == "grpc://tiny.ml.svc:50051"
