@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any, Mapping, Optional
 
+from kubernetes.utils import parse_quantity
+
 from kubeshard_operator import API_VERSION, KIND
 from kubeshard_operator import naming as n
 from kubeshard_operator.config import OperatorConfig
@@ -116,7 +118,18 @@ def shard_args(spec: InferenceServiceSpec, group: str) -> list[str]:
             args += [flag, str(value)]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
+    threads = cpu_threads(spec)
+    if threads is not None:
+        args += ["--num-threads", str(threads)]
     return args
+
+
+def cpu_threads(spec: InferenceServiceSpec) -> Optional[int]:
+    """torch's CPU threads for a CPU shard: its CPU request, rounded up. torch would
+    otherwise start one thread per core of the node and fight the other pods there."""
+    if spec.resources.gpu > 0 or spec.resources.cpu is None:
+        return None
+    return max(1, math.ceil(parse_quantity(spec.resources.cpu)))
 
 
 def shard_env(spec: InferenceServiceSpec, index: int) -> list[dict[str, Any]]:

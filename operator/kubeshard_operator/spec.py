@@ -279,7 +279,7 @@ def _engine(e: Mapping[str, Any]) -> Engine:
 
 
 def _kv_memory(value: Any) -> Optional[str]:
-    """Bytes as a quantity ("8Gi") or a fraction of free device memory in (0, 1]."""
+    """Bytes as a quantity ("8Gi") or a fraction of the device memory in (0, 1)."""
     if value is None:
         return None
     text = str(value)
@@ -288,8 +288,8 @@ def _kv_memory(value: Any) -> Optional[str]:
     except ValueError:
         fraction = None
     if fraction is not None and "." in text:
-        if not 0 < fraction <= 1:
-            raise SpecError(f"spec.engine.kvCacheMemory fraction {text} must be in (0, 1]")
+        if not 0 < fraction < 1:
+            raise SpecError(f"spec.engine.kvCacheMemory fraction {text} must be in (0, 1)")
         return text
     try:
         if parse_quantity(text) <= 0:

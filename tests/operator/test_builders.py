@@ -47,6 +47,7 @@ def test_shard_command_line_carries_rendezvous_and_engine_limits():
     assert flag(args, "--max-total-tokens") == "200"
     assert flag(args, "--kv-cache-memory") == "0.5"
     assert "--no-prefix-caching" in args and "--max-batch-tokens" not in args
+    assert flag(args, "--num-threads") == "1"  # the CPU request, not the node's cores
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
@@ -103,6 +104,7 @@ def test_gpus_select_the_cuda_image_limits_and_toleration():
     c = pod["containers"][0]
     assert c["image"] == "ghcr.io/kubeshard/shard-server:test-cuda"
     assert flag(c["args"], "--device") == "cuda"
+    assert "--num-threads" not in c["args"]
     assert c["resources"]["limits"] == {"memory": "40Gi", "nvidia.com/gpu": 1}
     assert c["resources"]["requests"]["cpu"] == "4"
     assert "cpu" not in c["resources"]["limits"]
