@@ -120,7 +120,9 @@ def needs_group_restart(group: GroupView, now: float, minimum: float, maximum: f
     A rank cannot rejoin a running process group, so one restarted rank leaves the group
     useless until every rank starts over. The shard server makes every rank exit when a
     peer dies, so a restart count above zero anywhere means the group broke."""
-    if group.terminating:
+    if group.terminating or group.shards <= 1:
+        # A group of one is just a pod: the kubelet restarting its container in place
+        # is already a whole-group restart.
         return False
     broken = any((p.restarts > 0 or p.finished) and not p.terminating for p in group.pods)
     if not broken:

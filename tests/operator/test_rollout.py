@@ -80,6 +80,8 @@ def test_group_restart_after_a_shard_restarted_with_backoff():
     assert not needs_group_restart(recently, now=100, minimum=10, maximum=300)
     assert needs_group_restart(recently, now=95 + 20, minimum=10, maximum=300)
     assert not needs_group_restart(group(0), now=100, minimum=10, maximum=300)
+    single = GroupView(0, H, 1, (PodView("g0-0", ready=False, restarts=2),))
+    assert not needs_group_restart(single, now=100, minimum=10, maximum=300)
 
 
 def test_backoff_grows_and_is_capped():
