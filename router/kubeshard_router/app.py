@@ -73,7 +73,8 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
 
     @app.exception_handler(RouterError)
     async def on_router_error(request: Request, exc: RouterError) -> Response:
-        return error_response(exc, api_of(request.url.path), state, None, route_of(request.url.path))
+        model = getattr(request.state, "kubeshard_model", None)
+        return error_response(exc, api_of(request.url.path), state, model, route_of(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> Response:

@@ -65,6 +65,13 @@ class _Flight:
         self.stalled = False
 
 
+def _stall_cancelled(flight: _Flight) -> bool:
+    """True when a CancelledError came from the watchdog cancelling the call (grpc.aio raises
+    CancelledError for locally cancelled calls), not from this task being cancelled."""
+    task = asyncio.current_task()
+    return flight.stalled and (task is None or task.cancelling() == 0)
+
+
 class StallWatchdog:
     """Cancels calls that produced nothing for ``timeout_s`` (a hung leader behind a live
     connection); one sweep per second for all calls, so tokens pay only a timestamp."""
@@ -118,8 +125,9 @@ class Dispatcher:
         return detail
 
     async def _open(self, model: ModelState, request: pb.GenerateRequest, key: Optional[int],
-                    tried: list[Replica], ctx: RequestContext) -> tuple[Replica, aio.UnaryStreamCall, pb.Token]:
-        errors: list[str] = []
+                    tried: list[Replica], ctx: RequestContext, errors: Optional[list[str]] = None
+                    ) -> tuple[Replica, aio.UnaryStreamCall, pb.Token]:
+        errors = [] if errors is None else errors
         exhausted = 0
         while len(tried) <= self.config.max_retries:
             replica = self.balancer.pick(model.ready_replicas, key, exclude=tried)
@@ -160,7 +168,7 @@ class Dispatcher:
             ctx.replica = replica.address
             ctx.first_token_at = time.perf_counter()
             return replica, call, first
-        if errors and exhausted == len(errors):
+        if exhausted and exhausted == len(errors):
             raise Overloaded(f"Model `{model.name}` is overloaded: every replica tried is at its "
                              f"request limit", retry_after_s=model.admission.retry_after_s())
         raise BackendFailed(f"no replica of model `{model.name}` could start the request: "
@@ -190,10 +198,16 @@ class Dispatcher:
                     token = await call.read()
                 except aio.AioRpcError as exc:
                     ctx.generated_tokens = count
-                    why = "stalled" if flight.stalled else self._error(model, replica, exc)
                     raise IncompleteGeneration(
-                        f"replica {replica.address} failed after {count} tokens ({why}); the "
-                        f"generation is incomplete") from None
+                        f"replica {replica.address} failed after {count} tokens "
+                        f"({self._error(model, replica, exc)}); the generation is incomplete") from None
+                except asyncio.CancelledError:
+                    if not _stall_cancelled(flight):
+                        raise
+                    ctx.generated_tokens = count
+                    raise IncompleteGeneration(
+                        f"replica {replica.address} stalled after {count} tokens (nothing for "
+                        f"{self.watchdog.timeout_s:g}s); the generation is incomplete") from None
                 if token is EOF_:
                     ctx.generated_tokens = count
                     raise IncompleteGeneration(f"replica {replica.address} ended the stream after "
@@ -212,17 +226,24 @@ class Dispatcher:
                       ctx: RequestContext) -> list[pb.Token]:
         await self._admit(model, ctx)
         tried: list[Replica] = []
+        errors: list[str] = []
         try:
             request = engine.to_proto(ctx.request_id)
             key = self.balancer.prefix_key(engine.input_ids, model.block_size)
             while True:
-                replica, call, token = await self._open(model, request, key, tried, ctx)
+                replica, call, token = await self._open(model, request, key, tried, ctx, errors)
                 flight = _Flight(call)
                 self.watchdog.flights.add(flight)
                 tokens = [token]
                 try:
                     while not token.HasField("finish"):
-                        token = await call.read()
+                        try:
+                            token = await call.read()
+                        except asyncio.CancelledError:
+                            if not _stall_cancelled(flight):
+                                raise
+                            raise IncompleteGeneration(f"replica {replica.address} stalled (nothing for "
+                                                       f"{self.watchdog.timeout_s:g}s)") from None
                         if token is EOF_:
                             raise IncompleteGeneration(f"replica {replica.address} ended the stream "
                                                        f"without a finish")
@@ -234,10 +255,11 @@ class Dispatcher:
                     return tokens
                 except (aio.AioRpcError, IncompleteGeneration) as exc:
                     why = exc.message if isinstance(exc, IncompleteGeneration) else (
-                        "stalled" if flight.stalled else self._error(model, replica, exc))
+                        self._error(model, replica, exc))
+                    errors.append(f"{replica.address}: failed after {len(tokens)} tokens ({why})")
                     if len(tried) > self.config.max_retries:
-                        raise BackendFailed(f"replica {replica.address} failed after {len(tokens)} "
-                                            f"tokens ({why}) and no retry is left") from None
+                        raise BackendFailed(f"no replica of model `{model.name}` completed the request: "
+                                            + "; ".join(errors)) from None
                     log.warning("request %s: replica %s failed after %d tokens (%s); restarting on "
                                 "another replica", ctx.request_id, replica.address, len(tokens), why)
                 finally:

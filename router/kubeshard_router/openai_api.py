@@ -142,7 +142,7 @@ async def _serve(request: Request, chat: bool) -> Response:
         req: Union[ChatCompletionRequest, CompletionRequest] = parse_body(
             body, ChatCompletionRequest if chat else CompletionRequest)
         model = state.resolve(req.model)
-        model_label = model.name
+        model_label = request.state.kubeshard_model = model.name
         tokenizer, limits = await state.prepared(model)
         ctx = state.new_context(request, model.name)
         t1 = time.perf_counter()

@@ -127,7 +127,7 @@ async def _generate(request: Request, model_name: Optional[str], stream: Optiona
         if stream is None:
             stream = bool(req.stream)  # type: ignore[attr-defined]
         model = state.resolve(model_name)
-        model_label = model.name
+        model_label = request.state.kubeshard_model = model.name
         tokenizer, limits = await state.prepared(model)
         ctx = state.new_context(request, model.name)
         t1 = time.perf_counter()

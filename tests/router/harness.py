@@ -71,7 +71,13 @@ class RouterHarness:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, http="httptools",
                                                     lifespan="on", log_level="warning", access_log=False,
                                                     timeout_graceful_shutdown=5, log_config=None))
-        self._serve = asyncio.create_task(self.server.serve())
+        async def serve() -> None:
+            try:
+                await self.server.serve()
+            except SystemExit as exc:  # uvicorn exits when the app's start-up fails
+                raise RuntimeError(f"router start-up failed (exit {exc.code})") from None
+
+        self._serve = asyncio.create_task(serve())
         while not self.server.started:
             if self._serve.done():
                 await self._serve
@@ -90,6 +96,9 @@ class RouterHarness:
         self.call(asyncio.wait_for(wait(), timeout), timeout + 1)
 
     def close(self) -> None:
+        if not self.thread.is_alive():
+            return
+
         async def stop() -> None:
             if self.server is not None:
                 self.server.should_exit = True

@@ -1,0 +1,231 @@
+"""Failures around the router, with StubBackend test doubles: retries, mid-stream errors,
+client disconnects, backpressure, activation, stalls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.router.test_api_stub import sse
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def metric(h, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(h.url + "/metrics").text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_failure_before_first_token_is_retried_on_another_replica(make_router):
+    h = make_router(models={"stub": 2})
+    bad, good = h.stub("stub", 0), h.stub("stub", 1)
+    bad.behaviour.fail_next = 1000
+    for i in range(8):
+        r = httpx.post(h.url + "/generate", json={"inputs": f"prompt {i} " * 10,
+                                                   "parameters": {"max_new_tokens": 3}})
+        assert r.status_code == 200, r.text
+        s = httpx.post(h.url + "/generate_stream", json={"inputs": f"stream {i} " * 10,
+                                                          "parameters": {"max_new_tokens": 3}})
+        assert sse(s.text)[-1]["generated_text"], s.text
+    assert bad.counters.generate_calls >= 1  # some requests did try the failing replica...
+    assert bad.counters.completed == 0 and good.counters.completed == 16  # ...and all ended on the other
+    assert metric(h, "kubeshard_router_retries_total") >= 1
+    assert metric(h, 'kubeshard_router_backend_errors_total{code="UNAVAILABLE"') >= 1
+
+
+def test_a_dead_replica_is_skipped(make_router):
+    h = make_router(models={"stub": 2})
+    h.call(h.stub("stub", 0).stop())
+    for i in range(6):
+        r = httpx.post(h.url + "/generate", json={"inputs": f"p{i} " * 20, "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+    h.wait_ready("stub", 1)
+    assert h.stub("stub", 1).counters.completed == 6
+
+
+def test_every_replica_failing_is_a_424_naming_them(make_router):
+    h = make_router(models={"stub": 2})
+    for stub in h.stubs["stub"]:
+        stub.behaviour.fail_next = 1000
+    r = httpx.post(h.url + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 424
+    body = r.json()
+    assert body["error_type"] == "generation"
+    assert all(s.address in body["error"] for s in h.stubs["stub"]) and "UNAVAILABLE" in body["error"]
+
+
+def test_failure_mid_stream_ends_with_an_error_event(router):
+    router.stub().behaviour.fail_after_tokens = 2
+    with httpx.Client(timeout=30) as client:
+        r = client.post(router.url + "/generate_stream", json={"inputs": "hi", "parameters": {"max_new_tokens": 10}})
+    events = sse(r.text)
+    assert r.status_code == 200 and len(events) == 3
+    assert [e["index"] for e in events[:2]] == [1, 2]
+    assert events[2]["error_type"] == "incomplete_generation" and "after 2 tokens" in events[2]["error"]
+    oa = httpx.post(router.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 10, "stream": True},
+                    timeout=30)
+    last = sse(oa.text)[-1]
+    assert last["error"]["type"] == "server_error" and "[DONE]" not in oa.text
+
+
+def test_non_streaming_request_restarts_after_a_mid_stream_failure(make_router):
+    h = make_router(models={"stub": 2})
+    for stub in h.stubs["stub"]:
+        stub.behaviour.fail_after_tokens = 2
+    r = httpx.post(h.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 5}})
+    assert r.status_code == 424 and r.json()["error_type"] == "generation"
+    assert r.json()["error"].count("failed after 2 tokens") == 2  # both replicas tried, both named
+    h.stub("stub", 1).behaviour.fail_after_tokens = None
+    r = httpx.post(h.url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 5,
+                                                                               "details": True}})
+    assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 5
+
+
+def test_engine_validation_error_is_a_422_with_its_message(router):
+    router.stub().behaviour.invalid = "`stopping.max_new_tokens` exceeds the engine's budget"
+    r = httpx.post(router.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 422 and "`stopping.max_new_tokens`" in r.json()["error"]
+
+
+def test_engine_overload_everywhere_is_a_429(make_router):
+    h = make_router(models={"stub": 2})
+    for stub in h.stubs["stub"]:
+        stub.behaviour.exhausted = True
+    r = httpx.post(h.url + "/generate", json={"inputs": "hi"})
+    assert r.status_code == 429 and r.json()["error_type"] == "overloaded" and "Retry-After" in r.headers
+
+
+def _stream_in_thread(url: str, body: dict, out: list) -> threading.Thread:
+    def run() -> None:
+        with httpx.Client(timeout=60) as c:
+            r = c.post(url, json=body)
+            out.append((r.status_code, r.text, dict(r.headers)))
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_queue_bound_answers_429_with_retry_after(make_router):
+    h = make_router(stub_kwargs={"max_concurrent_requests": 1}, max_queue_per_model=1)
+    h.stub().behaviour.token_delay_s = 0.05
+    results: list = []
+    body = {"inputs": "hi", "parameters": {"max_new_tokens": 20}}
+    running = _stream_in_thread(h.url + "/generate_stream", body, results)
+    assert wait_for(lambda: h.stub().counters.active == 1)
+    queued = _stream_in_thread(h.url + "/generate_stream", body, results)
+    assert wait_for(lambda: h.state.registry.models["stub"].admission.queued == 1)
+    r = httpx.post(h.url + "/generate_stream", json=body)
+    assert r.status_code == 429
+    assert r.json() == {"error": r.json()["error"], "error_type": "overloaded"}
+    assert "1 queued (max 1)" in r.json()["error"] and int(r.headers["retry-after"]) >= 1
+    running.join()
+    queued.join()
+    assert [code for code, _, _ in results] == [200, 200]  # the queued one ran when a slot freed
+    assert all(sse(text)[-1]["generated_text"] for _, text, _ in results)
+
+
+def test_client_disconnect_cancels_the_backend_stream(router):
+    stub = router.stub()
+    stub.behaviour.token_delay_s = 0.2  # 100 tokens would take 20 s
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", router.url + "/generate_stream",
+                           json={"inputs": "hi", "parameters": {"max_new_tokens": 100}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # one token received, then the client goes away
+    assert wait_for(lambda: stub.counters.cancelled == 1 and stub.counters.active == 0)
+    assert stub.counters.completed == 0
+    assert wait_for(lambda: router.state.registry.models["stub"].admission.in_flight == 0)
+    assert metric(router, "kubeshard_router_client_disconnects_total") == 1
+
+
+def test_client_disconnect_before_the_first_token_cancels_too(router):
+    stub = router.stub()
+    stub.behaviour.first_token_delay_s = 30
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            task = asyncio.create_task(client.post(router.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "stream": True}))
+            while stub.counters.active == 0:
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(go())
+    assert wait_for(lambda: stub.counters.cancelled == 1 and stub.counters.active == 0)
+
+
+class RecordingHook:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def scale_up(self, model: str) -> None:
+        self.calls.append(model)
+
+
+def test_requests_are_held_while_a_model_has_no_ready_replica(make_router):
+    hook = RecordingHook()
+    h = make_router(hook=hook, activation_timeout_s=30)
+    h.stub().behaviour.serving = False
+    h.wait_ready("stub", 0)
+    results: list = []
+    t = _stream_in_thread(h.url + "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, results)
+    assert wait_for(lambda: h.state.activator.waiting.get("stub") == 1)
+    assert hook.calls == ["stub"]
+    assert 'kubeshard_router_queued{model="stub"} 1.0' in httpx.get(h.url + "/metrics").text
+    h.stub().behaviour.serving = True  # the replica comes up: the held request goes through
+    t.join()
+    assert results[0][0] == 200 and json.loads(results[0][1])["generated_text"]
+
+
+def test_held_requests_get_a_clear_503_when_no_replica_comes(make_router):
+    h = make_router(activation_timeout_s=0.5)
+    h.stub().behaviour.serving = False
+    h.wait_ready("stub", 0)
+    r = httpx.post(h.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503
+    assert "has no ready replica" in r.json()["error"]["message"] and r.json()["error_type"] == "unavailable"
+    s = httpx.post(h.url + "/generate_stream", json={"inputs": "hi"})
+    assert s.status_code == 503 and s.json()["error_type"] == "unavailable"  # not a 200 with an event
+
+
+def test_a_stalled_backend_is_cut_off(make_router):
+    h = make_router(stall_timeout_s=0.5)
+    h.stub().behaviour.hang_after_tokens = 1
+    with httpx.Client(timeout=30) as client:
+        r = client.post(h.url + "/generate_stream", json={"inputs": "hi", "parameters": {"max_new_tokens": 5}})
+    events = sse(r.text)
+    assert len(events) == 2 and "stalled" in events[1]["error"]
+    assert wait_for(lambda: h.stub().counters.cancelled == 1)
+
+
+def test_replica_set_changes_without_restart(make_router):
+    h = make_router(models={"stub": 2})
+    model = h.state.registry.models["stub"]
+    first, second = (s.address for s in h.stubs["stub"])
+    h.call(asyncio.sleep(0))
+    h.loop.call_soon_threadsafe(h.state.registry.declare, "stub", [second])
+    h.wait_ready("stub", 1)
+    assert list(model.replicas) == [second]
+    for _ in range(3):
+        assert httpx.post(h.url + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}}).status_code == 200
+    assert h.stub("stub", 0).counters.generate_calls == 0
+    h.loop.call_soon_threadsafe(h.state.registry.declare, "stub", [first, second])
+    h.wait_ready("stub", 2)
