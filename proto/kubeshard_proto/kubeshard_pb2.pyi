@@ -139,7 +139,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "revision", "architecture", "dtype", "device_type", "max_input_tokens", "max_total_tokens", "max_batch_tokens", "max_concurrent_requests", "block_size", "num_kv_blocks", "strategy", "shards", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "version")
+    __slots__ = ("model_id", "revision", "architecture", "dtype", "device_type", "max_input_tokens", "max_total_tokens", "max_batch_tokens", "max_concurrent_requests", "block_size", "num_kv_blocks", "strategy", "shards", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "version", "rank_parameter_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class InfoResponse(_message.Message):
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     revision: str
     architecture: str
@@ -176,7 +177,8 @@ class InfoResponse(_message.Message):
     tokenizer_json: bytes
     tokenizer_config_json: bytes
     version: str
-    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., strategy: _Optional[str] = ..., shards: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
+    rank_parameter_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., strategy: _Optional[str] = ..., shards: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., version: _Optional[str] = ..., rank_parameter_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -90,3 +90,36 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
             return proc.returncode
         time.sleep(0.1)
     raise AssertionError(f"process {proc.pid} still running after {timeout}s")
+
+
+@dataclass
+class ShardGroup:
+    leader: ShardProcess
+    followers: list[ShardProcess]
+    master_port: int
+
+    @property
+    def members(self) -> list[ShardProcess]:
+        return [self.leader, *self.followers]
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+
+def start_group(model_dir, strategy: str, shards: int, *flags: str, port: int = 0, master_port: int | None = None,
+                timeout: float = 240, follower_flags: dict[int, list[str]] | None = None) -> ShardGroup:
+    """Starts ranks 1..N-1 then the leader, each its own process, and waits for the leader."""
+    master_port = master_port or free_port()
+    common = ["--strategy", strategy, "--shards", str(shards), "--master-addr", "127.0.0.1",
+              "--master-port", str(master_port), "--num-threads", "1", *flags]
+    followers = [start_shard(model_dir, *common, "--rank", str(r), *(follower_flags or {}).get(r, []), wait=False)
+                 for r in range(1, shards)]
+    try:
+        leader = start_shard(model_dir, *common, "--rank", "0", port=port, timeout=timeout)
+    except AssertionError as exc:
+        for f in followers:
+            f.stop()
+        logs = "\n".join(f"--- rank {i + 1}:\n{f.output[-2000:]}" for i, f in enumerate(followers))
+        raise AssertionError(f"{exc}\n{logs}") from None
+    return ShardGroup(leader, followers, master_port)

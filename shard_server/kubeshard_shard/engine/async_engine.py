@@ -47,10 +47,18 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_concurrent_requests: int,
-                 on_step: Callable[[EngineStats], None] | None = None) -> None:
+                 on_step: Callable[[EngineStats], None] | None = None,
+                 on_idle: Callable[[], None] | None = None, idle_interval: float = 2.0,
+                 on_stop: Callable[[], None] | None = None) -> None:
+        """``on_idle`` runs in the loop thread at most every ``idle_interval`` seconds
+        while there is no work (a sharded group's heartbeat); ``on_stop`` runs in the
+        loop thread when it ends cleanly. An exception from either fails the engine."""
         self.engine = engine
         self.max_concurrent_requests = max_concurrent_requests
         self.on_step = on_step
+        self.on_idle = on_idle
+        self.idle_interval = idle_interval
+        self.on_stop = on_stop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[int, _Stream] = {}   # owned by the loop thread
@@ -161,13 +169,24 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_deliver, items)
 
     def _run(self) -> None:
+        last_active = time.monotonic()
         try:
             while self._apply_commands():
                 if not self.engine.has_work() or self.error is not None:
                     self._publish_stats()
-                    self._wake.wait(timeout=0.5)
+                    self._wake.wait(timeout=min(0.5, self.idle_interval))
                     self._wake.clear()
+                    if self.on_idle is not None and self.error is None and \
+                            time.monotonic() - last_active >= self.idle_interval:
+                        last_active = time.monotonic()
+                        try:
+                            self.on_idle()
+                        except Exception as exc:
+                            log.error("engine heartbeat failed: %s", exc)
+                            self.error = exc
+                            self._fail_all(EngineUnavailable(f"the shard group failed: {exc}"))
                     continue
+                last_active = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # the step failed: end every stream, stop serving
@@ -185,6 +204,11 @@ class AsyncEngine:
                         del self._streams[out.request_key]
                 self._post(items)
                 self._publish_stats()
+            if self.on_stop is not None and self.error is None:
+                try:
+                    self.on_stop()
+                except Exception as exc:
+                    log.warning("stop hook failed: %s", exc)
         except BaseException as exc:  # pragma: no cover - last resort: never leave callers hanging
             log.exception("engine loop crashed")
             self.error = exc

@@ -96,6 +96,18 @@ class BlockManager:
         self.prefix_hits += len(hits)
         return hits
 
+    def count_cached_prefix(self, token_ids: list[int]) -> int:
+        """Leading full blocks of ``token_ids`` present in the cache (no side effects)."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent, n = self.block_size, None, 0
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            if parent not in self.cached:
+                break
+            n += 1
+        return n
+
     # ---- allocation ------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
         needed = self._blocks_needed(seq, num_new_tokens, cached_prefix)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import psutil
@@ -13,8 +13,7 @@ import torch
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import KVCache
-from kubeshard_shard.engine.block_manager import BlockManager
-from kubeshard_shard.engine.llm_engine import LLMEngine
+from kubeshard_shard.engine.llm_engine import LLMEngine, Stream
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs
 from kubeshard_shard.engine.request import Limits
 from kubeshard_shard.models.config import CheckpointError, ModelConfig, load_model_config
@@ -38,6 +37,10 @@ class ServedModel:
     device: torch.device
     dtype: torch.dtype
     num_kv_blocks: int
+    rank_parameter_bytes: list[int] = field(default_factory=list)
+    # set by a sharded group: heartbeat while idle, and the stop message to its ranks
+    on_idle: Callable[[], None] | None = None
+    on_stop: Callable[[], None] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,11 +97,14 @@ def kv_cache_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_head
 
 
 def build_served_model(config: EngineConfig, strategy_pass: Callable | None = None,
-                       execute: Callable[[StepInputs], torch.Tensor] | None = None,
-                       num_kv_heads: int | None = None, device: torch.device | None = None) -> ServedModel:
+                       execute: Callable[[list[StepInputs | None]], list] | None = None,
+                       num_kv_heads: int | None = None, device: torch.device | None = None,
+                       num_streams: int = 1, load_weights_fn: Callable | None = None,
+                       agree_blocks: Callable[[int], int] | None = None) -> ServedModel:
     """Loads everything and preallocates the KV pool. ``strategy_pass`` and ``execute``
-    let a sharded group swap layers and broadcast steps; ``num_kv_heads`` is the
-    number of KV heads this process keeps."""
+    let a sharded group swap layers and send steps to its ranks; ``num_kv_heads`` is
+    the number of KV heads this process keeps; ``num_streams`` the data-parallel
+    streams the engine schedules (one per zero3 rank)."""
     device = device or resolve_device(config.device)
     if device.type == "cpu":
         configure_threads(config.num_threads)
@@ -107,20 +113,24 @@ def build_served_model(config: EngineConfig, strategy_pass: Callable | None = No
     limits = resolve_limits(config, model_config)
     dtype = resolve_dtype(config.dtype, model_config, device)
     model = load_model(config.model_dir, device, config.dtype, max_positions=limits.max_total_tokens,
-                       strategy_pass=strategy_pass, config=model_config)
+                       strategy_pass=strategy_pass, config=model_config, load_weights_fn=load_weights_fn)
     if device.type == "cpu" and dtype == torch.float32:
         kernels.load()
     kv_heads = num_kv_heads or model_config.num_key_value_heads
     num_blocks = kv_cache_blocks(config, model_config, kv_heads, dtype, device, limits)
+    if agree_blocks is not None:  # every rank of a group uses the same pool size
+        num_blocks = agree_blocks(num_blocks)
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
                     model_config.head_dim, dtype, device)
     runner = ModelRunner(model, cache, device)
-    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    engine = LLMEngine(runner, tokenizer, block_manager, config.max_batch_tokens, config.max_num_seqs, execute)
+    streams = [Stream.create(i, num_blocks, config.block_size, config.enable_prefix_caching, config.max_batch_tokens,
+                             config.max_num_seqs) for i in range(num_streams)]
+    engine = LLMEngine(runner, tokenizer, streams, execute)
     log.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens; limits input %d, total %d",
              config.model_id, model_config.architecture, str(dtype).removeprefix("torch."), device, num_blocks,
              config.block_size, limits.max_input_tokens, limits.max_total_tokens)
-    return ServedModel(engine, config, model_config, tokenizer, limits, device, dtype, num_blocks)
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    return ServedModel(engine, config, model_config, tokenizer, limits, device, dtype, num_blocks, [resident])
 
 
 __all__ = ["ServedModel", "build_served_model", "CheckpointError", "load_model_config"]

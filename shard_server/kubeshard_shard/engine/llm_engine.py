@@ -2,6 +2,10 @@
 
 ``LLMEngine`` is single-threaded and synchronous; ``AsyncEngine`` runs it in a thread
 for the gRPC server. Outputs are plain dataclasses, one per generated token.
+
+An engine drives one or more *streams*: a stream is a scheduler with its own KV pool.
+A single process or a tensor-parallel group has one stream; a zero3 group has one per
+rank (data parallel), all scheduled here on the leader and executed in lockstep.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ class EngineStats:
     generated_tokens_total: int = 0
     steps_total: int = 0
     last_step_seconds: float = 0.0
+    # per-stream figures when the engine drives several streams (zero3 ranks)
+    streams: list["EngineStats"] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -86,10 +92,39 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
-class _RequestState:
-    __slots__ = ("seq", "detok", "stop_sequences", "max_stop_len")
+@dataclass
+class Stream:
+    """One continuous-batching stream: a scheduler over its own KV-block pool."""
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
+    index: int
+    block_manager: BlockManager
+    scheduler: Scheduler
+
+    @classmethod
+    def create(cls, index: int, num_blocks: int, block_size: int, prefix_caching: bool, max_batch_tokens: int,
+               max_num_seqs: int) -> "Stream":
+        bm = BlockManager(num_blocks, block_size, prefix_caching)
+        return cls(index, bm, Scheduler(bm, max_batch_tokens, max_num_seqs))
+
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_unfinished
+
+
+def stream_stats(stream: Stream) -> EngineStats:
+    bm, sch = stream.block_manager, stream.scheduler
+    return EngineStats(
+        waiting=len(sch.waiting), running=len(sch.running), kv_blocks_total=bm.num_blocks,
+        kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+        kv_blocks_cached=bm.num_cached_free_blocks, prefix_cache_queries=bm.prefix_queries,
+        prefix_cache_hits=bm.prefix_hits, preemptions_total=sch.preemptions_total)
+
+
+class _RequestState:
+    __slots__ = ("seq", "detok", "stop_sequences", "max_stop_len", "stream")
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, stream: Stream) -> None:
+        self.stream = stream
         self.seq = seq
         self.detok = detok
         self.stop_sequences = seq.params.stop_sequences
@@ -97,24 +132,40 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: ModelTokenizer, block_manager: BlockManager,
-                 max_batch_tokens: int, max_num_seqs: int,
-                 execute: Callable[[StepInputs], torch.Tensor] | None = None) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: ModelTokenizer, streams: list[Stream],
+                 execute: Callable[[list[StepInputs | None]], list[torch.Tensor | None]] | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.block_manager = block_manager
-        self.scheduler = Scheduler(block_manager, max_batch_tokens, max_num_seqs)
+        self.streams = streams
         self.sampler = Sampler()
-        # How a step's inputs are executed: locally by default; a sharded group
-        # broadcasts them to its peers first.
-        self.execute = execute or runner.run
+        # How a step's inputs (one per stream) are executed: locally by default; a
+        # sharded group sends them to its ranks first.
+        self.execute = execute or (lambda inputs: [runner.run(inputs[0])])
         self.requests: dict[int, _RequestState] = {}
         self._next_key = 0
         self.generated_tokens_total = 0
         self.steps_total = 0
         self.last_step_seconds = 0.0
 
+    # single-stream conveniences (tests, tools)
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.streams[0].scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.streams[0].block_manager
+
     # ---- requests ----------------------------------------------------------------
+    def _pick_stream(self, prompt_ids: list[int]) -> Stream:
+        """Least-loaded stream; among streams within one request of the least load, the
+        one holding the longest cached prefix of this prompt."""
+        if len(self.streams) == 1:
+            return self.streams[0]
+        least = min(s.load for s in self.streams)
+        candidates = [s for s in self.streams if s.load <= least + 1]
+        return max(candidates, key=lambda s: (s.block_manager.count_cached_prefix(prompt_ids), -s.load, -s.index))
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
         """Queues a validated request; returns its key for ``abort`` and outputs."""
         key = self._next_key
@@ -124,8 +175,9 @@ class LLMEngine:
         if params.prefill_details:
             seq.prefill_logprobs = [None] * len(prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer, seq.prompt_ids, self.tokenizer.special_ids)
-        self.requests[key] = _RequestState(seq, detok)
-        self.scheduler.add(seq)
+        stream = self._pick_stream(seq.prompt_ids)
+        self.requests[key] = _RequestState(seq, detok, stream)
+        stream.scheduler.add(seq)
         return key
 
     def abort(self, key: int) -> bool:
@@ -134,44 +186,48 @@ class LLMEngine:
             return False
         state.seq.aborted = True
         state.seq.status = SequenceStatus.FINISHED
-        self.scheduler.remove(state.seq)
+        state.stream.scheduler.remove(state.seq)
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return any(s.scheduler.num_unfinished for s in self.streams)
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            kv_blocks_cached=bm.num_cached_free_blocks, prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits, preemptions_total=self.scheduler.preemptions_total,
-            generated_tokens_total=self.generated_tokens_total, steps_total=self.steps_total,
-            last_step_seconds=self.last_step_seconds,
-        )
+        per = [stream_stats(s) for s in self.streams]
+        total = EngineStats(generated_tokens_total=self.generated_tokens_total, steps_total=self.steps_total,
+                            last_step_seconds=self.last_step_seconds)
+        for name in ("waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
+                     "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "preemptions_total"):
+            setattr(total, name, sum(getattr(p, name) for p in per))
+        if len(per) > 1:
+            total.streams = per
+        return total
 
     # ---- the step ------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         started = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        scheds = [s.scheduler.schedule() for s in self.streams]
+        if all(sched.is_empty for sched in scheds):
             return []
-        plan = self.runner.prepare(sched)
-        logits = self.execute(plan.inputs)
-        outputs = self._update(sched, plan, logits)
+        plans = [None if sched.is_empty else self.runner.prepare(sched) for sched in scheds]
+        logits = self.execute([None if p is None else p.inputs for p in plans])
+        outputs: list[TokenOutput] = []
+        for stream, sched, plan, lg in zip(self.streams, scheds, plans, logits):
+            if plan is not None:
+                outputs.extend(self._update(stream, sched, plan, lg))
         self.steps_total += 1
         self.last_step_seconds = time.perf_counter() - started
         return outputs
 
-    def _update(self, sched, plan: StepPlan, logits: torch.Tensor) -> list[TokenOutput]:
+    def _update(self, stream: Stream, sched, plan: StepPlan, logits: torch.Tensor) -> list[TokenOutput]:
+        bm = stream.block_manager
         for seq in sched.decodes:
             seq.num_computed_tokens += 1
-            self.block_manager.cache_full_blocks(seq)
+            bm.cache_full_blocks(seq)
         for seq, n in sched.prefills:
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            bm.cache_full_blocks(seq)
         self._record_prompt_logprobs(plan, logits)
 
         n_sample = len(plan.sample_seqs)
@@ -225,7 +281,7 @@ class LLMEngine:
         seq = state.seq
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
-        self.scheduler.remove(seq)
+        state.stream.scheduler.remove(seq)
         del self.requests[seq.key]
         now = time.monotonic()
         first = seq.first_scheduled_time or now

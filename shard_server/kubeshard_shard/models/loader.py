@@ -106,8 +106,8 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, m
     try:
         with torch.device("meta"):
             model = cls(config, max_positions)
-        if strategy_pass is not None:
-            strategy_pass(model)
+            if strategy_pass is not None:  # swaps layers while nothing is allocated
+                strategy_pass(model)
         model.to_empty(device=device)
     finally:
         torch.set_default_dtype(previous)
@@ -163,10 +163,13 @@ def load_weights(model: LlamaForCausalLM, checkpoint: SafetensorsCheckpoint) -> 
 
 def load_model(model_dir: Path, device: torch.device, dtype_name: str = "auto", max_positions: int = 4096,
                strategy_pass: Callable[[LlamaForCausalLM], None] | None = None,
-               config: ModelConfig | None = None) -> LlamaForCausalLM:
+               config: ModelConfig | None = None,
+               load_weights_fn: Callable[[LlamaForCausalLM, SafetensorsCheckpoint], None] | None = None,
+               ) -> LlamaForCausalLM:
+    """``load_weights_fn`` replaces the per-parameter loading (zero3 reads flat partitions)."""
     config = config or load_model_config(model_dir)
     dtype = resolve_dtype(dtype_name, config, device)
     checkpoint = SafetensorsCheckpoint.open(model_dir)
     model = build_model(config, device, dtype, max_positions, strategy_pass)
-    load_weights(model, checkpoint)
+    (load_weights_fn or load_weights)(model, checkpoint)
     return model

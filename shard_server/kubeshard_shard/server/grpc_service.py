@@ -85,6 +85,12 @@ def token_message(out: TokenOutput) -> pb.Token:
 
 
 def stats_message(s: EngineStats) -> pb.StatsResponse:
+    msg = _stats(s)
+    msg.ranks.extend(_stats(r) for r in s.streams)
+    return msg
+
+
+def _stats(s: EngineStats) -> pb.StatsResponse:
     return pb.StatsResponse(
         waiting=s.waiting, running=s.running, kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
         kv_blocks_free=s.kv_blocks_free, kv_blocks_cached=s.kv_blocks_cached,
@@ -183,7 +189,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             block_size=cfg.block_size, num_kv_blocks=served.num_kv_blocks, strategy=self.group.strategy,
             shards=self.group.shards, vocab_size=mc.vocab_size, eos_token_ids=sorted(served.tokenizer.eos_ids),
             tokenizer_json=served.tokenizer.tokenizer_json,
-            tokenizer_config_json=served.tokenizer.tokenizer_config_json, version=__version__)
+            tokenizer_config_json=served.tokenizer.tokenizer_config_json, version=__version__,
+            rank_parameter_bytes=served.rank_parameter_bytes)
 
     async def Health(self, request, context):
         ok, reason = self.serving()

@@ -101,7 +101,8 @@ async def serve_leader(model_id: str, revision: str, group: GroupInfo, listen: L
         await server.stop(0)
         raise
     metrics = EngineMetrics(model_id, lambda: engine.stats)
-    engine = AsyncEngine(served.engine, served.config.max_concurrent_requests, on_step=metrics.on_step)
+    engine = AsyncEngine(served.engine, served.config.max_concurrent_requests, on_step=metrics.on_step,
+                         on_idle=served.on_idle, on_stop=served.on_stop)
     engine.start()
     service.attach(served, engine, metrics)
     if listen.metrics_port is not None:

@@ -1,0 +1,146 @@
+"""Tensor parallelism: a pass that swaps the model's layers for parallel ones.
+
+Each rank keeps, for good, its slice of every weight:
+- attention: its share of query heads and the KV heads they read (when there are
+  fewer KV heads than ranks, each KV head is replicated on the ranks that need it);
+- MLP: its share of the intermediate dimension;
+- column-parallel q|k|v and gate|up projections, row-parallel o and down projections
+  followed by an all-reduce;
+- a vocabulary-parallel embedding (all-reduce) and LM head (logits gathered on the
+  leader, the only rank that samples).
+Each parallel layer reads from the checkpoint only the rows or columns it keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kubeshard_shard.distributed.comm import Comm
+from kubeshard_shard.models.config import ModelConfig
+from kubeshard_shard.models.layers import Embedding, Linear, LMHead, MergedLinear, _copy_into
+
+
+class ShardingError(ValueError):
+    """The model's sizes do not divide by the shard count."""
+
+
+def check_divisible(config: ModelConfig, world: int) -> None:
+    problems = []
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    if h % world:
+        problems.append(f"num_attention_heads ({h}) is not divisible by {world}")
+    if kv % world and world % kv:
+        problems.append(f"num_key_value_heads ({kv}) neither divides nor is divisible by {world}")
+    if config.intermediate_size % world:
+        problems.append(f"intermediate_size ({config.intermediate_size}) is not divisible by {world}")
+    if config.vocab_size % world:
+        problems.append(f"vocab_size ({config.vocab_size}) is not divisible by {world}")
+    if problems:
+        raise ShardingError(f"cannot split {config.architecture} over {world} shards with --strategy tensor: "
+                            + "; ".join(problems))
+
+
+def local_kv_heads(config: ModelConfig, rank: int, world: int) -> tuple[int, int]:
+    """(first KV head, number of KV heads) kept by ``rank``."""
+    kv = config.num_key_value_heads
+    if kv >= world:
+        n = kv // world
+        return rank * n, n
+    return rank * kv // world, 1  # replicated: ranks world/kv apart share one head
+
+
+class QKVParallelLinear(MergedLinear):
+    def __init__(self, config: ModelConfig, rank: int, world: int) -> None:
+        hd = config.head_dim
+        q_heads = config.num_attention_heads // world
+        kv_start, kv_heads = local_kv_heads(config, rank, world)
+        super().__init__(config.hidden_size, [q_heads * hd, kv_heads * hd, kv_heads * hd], bias=config.attention_bias)
+        # rows of the checkpoint's q, k and v tensors that this rank keeps
+        self.source_rows = [(rank * q_heads * hd, q_heads * hd), (kv_start * hd, kv_heads * hd),
+                            (kv_start * hd, kv_heads * hd)]
+        self.num_heads, self.num_kv_heads = q_heads, kv_heads
+
+    def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
+        start, size = self.source_rows[shard_id]
+        _copy_into(param.data.narrow(0, self.shard_offset(shard_id), size), tensor_slice[start:start + size], name)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """gate|up: each projection split along its output rows."""
+
+    def __init__(self, in_features: int, full_sizes: list[int], bias: bool, rank: int, world: int) -> None:
+        super().__init__(in_features, [n // world for n in full_sizes], bias)
+        self.source_rows = [(rank * (n // world), n // world) for n in full_sizes]
+
+    def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
+        start, size = self.source_rows[shard_id]
+        _copy_into(param.data.narrow(0, self.shard_offset(shard_id), size), tensor_slice[start:start + size], name)
+
+
+class RowParallelLinear(Linear):
+    """Split along the input dimension; partial products are summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, world: int, comm: Comm) -> None:
+        super().__init__(in_features // world, out_features, bias)
+        self.start = rank * (in_features // world)
+        self.comm = comm
+
+    def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is added once, after the reduction
+            _copy_into(param, tensor_slice[:], name)
+        else:
+            _copy_into(param, tensor_slice[:, self.start:self.start + self.in_features], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.comm.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(Embedding):
+    def __init__(self, vocab: int, dim: int, rank: int, world: int, comm: Comm) -> None:
+        super().__init__(vocab // world, dim)
+        self.start = rank * (vocab // world)
+        self.comm = comm
+
+    def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
+        _copy_into(param, tensor_slice[self.start:self.start + self.num_embeddings], name)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0.0)
+        return self.comm.all_reduce(out)
+
+
+class ParallelLMHead(LMHead):
+    def __init__(self, vocab: int, dim: int, rank: int, world: int, comm: Comm) -> None:
+        super().__init__(vocab // world, dim)
+        self.start = rank * (vocab // world)
+        self.comm = comm
+
+    def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
+        _copy_into(param, tensor_slice[self.start:self.start + self.num_embeddings], name)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.comm.gather_last_dim(F.linear(hidden, self.weight))
+        # followers get their local slice back; only the leader samples
+        return logits if logits is not None else hidden.new_empty((hidden.shape[0], 0))
+
+
+def apply_tensor_parallel(model, comm: Comm) -> None:
+    """Swaps every layer of ``model`` (on the meta device) for its parallel version."""
+    cfg: ModelConfig = model.config
+    rank, world = comm.rank, comm.world_size
+    check_divisible(cfg, world)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = QKVParallelLinear(cfg, rank, world)
+        attn.num_heads, attn.num_kv_heads = attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads
+        attn.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, rank, world, comm)
+        mlp.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
+                                                      rank, world)
+        mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, rank, world, comm)
+    model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, rank, world, comm)
+    model.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, rank, world, comm)
