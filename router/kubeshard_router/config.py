@@ -44,7 +44,7 @@ class RouterConfig:
     # Backpressure and activation.
     max_queue_per_model: int = 1024
     queue_timeout_s: float = 60.0
-    activation_timeout_s: float = 300.0
+    activation_timeout_s: float = 60.0
 
     # Outbound timeouts.
     connect_timeout_s: float = 5.0

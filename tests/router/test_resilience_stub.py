@@ -83,6 +83,20 @@ def test_failure_mid_stream_ends_with_an_error_event(router):
     assert last["error"]["type"] == "server_error" and "[DONE]" not in oa.text
 
 
+def test_clients_see_a_mid_stream_failure_as_an_error(router):
+    import openai
+    import text_generation
+    router.stub().behaviour.fail_after_tokens = 3
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=10, stream=True)
+    with pytest.raises(openai.APIError, match="failed after 3 tokens"):
+        for _ in stream:
+            pass
+    with pytest.raises(text_generation.errors.IncompleteGenerationError, match="failed after 3 tokens"):
+        list(text_generation.Client(router.url).generate_stream("hi", max_new_tokens=10))
+
+
 def test_non_streaming_request_restarts_after_a_mid_stream_failure(make_router):
     h = make_router(models={"stub": 2})
     for stub in h.stubs["stub"]:
