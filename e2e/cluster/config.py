@@ -1,0 +1,147 @@
+"""The shape of one local cluster: addresses, ports, node sizes and where state lives.
+
+Everything the components, the node agent and the DNS server must agree on is computed
+here once and handed down, so no module invents an address of its own. Pod and Service
+addresses live only on the harness's bridge and in the network namespaces it creates;
+the control plane listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+CLUSTER_DOMAIN = "cluster.local"
+BRIDGE = "ksbr0"
+NFT_TABLE = "kubeshard"
+# argv[0] of every pod sandbox process, so a teardown after a crash can still find them.
+PAUSE_MARKER = "kubeshard-pause-"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+    """One process-backed node: its name, pod CIDR and what it advertises."""
+
+    name: str
+    pod_cidr: str
+    cpu: str
+    memory: str
+    gpus: int
+    kubelet_port: int
+
+    @property
+    def gateway(self) -> str:
+        """The node's address: the first IP of its pod CIDR, on the bridge."""
+        return str(next(ipaddress.ip_network(self.pod_cidr).hosts()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    state_dir: Path
+    bin_dir: Path
+    nodes: int = 1
+    node_cpu: str = "16"
+    node_memory: str = "64Gi"
+    node_gpus: int = 0
+    cluster_cidr: str = "10.244.0.0/16"
+    service_cidr: str = "10.96.0.0/16"
+    # Uncommon ports, so the harness does not collide with other local Kubernetes
+    # setups (16443, 6443, 2379 are often taken).
+    apiserver_port: int = 36443
+    etcd_client_port: int = 36379
+    etcd_peer_port: int = 36380
+    controller_manager_port: int = 36257
+    scheduler_port: int = 36259
+    kube_proxy_healthz_port: int = 36256
+    kube_proxy_metrics_port: int = 36249
+    dns_port: int = 36053
+    kubelet_port: int = 10250
+    # The kubelet waits 10 s, doubling to 5 min, before restarting a crashed container;
+    # tests want to see several restarts in seconds, so the local node starts lower.
+    restart_backoff_initial_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+
+    # ---- derived addresses -------------------------------------------------------
+    @property
+    def node_specs(self) -> list[NodeSpec]:
+        net = ipaddress.ip_network(self.cluster_cidr)
+        subnets = net.subnets(new_prefix=24)
+        return [
+            NodeSpec(
+                name=f"kubeshard-node-{i}",
+                pod_cidr=str(next(subnets)),
+                cpu=self.node_cpu,
+                memory=self.node_memory,
+                gpus=self.node_gpus,
+                kubelet_port=self.kubelet_port,
+            )
+            for i in range(self.nodes)
+        ]
+
+    @property
+    def advertise_address(self) -> str:
+        """Where pods reach the API server: node 0's gateway (DNAT'd to 127.0.0.1)."""
+        return self.node_specs[0].gateway
+
+    @property
+    def kubernetes_service_ip(self) -> str:
+        return str(ipaddress.ip_network(self.service_cidr)[1])
+
+    @property
+    def dns_service_ip(self) -> str:
+        return str(ipaddress.ip_network(self.service_cidr)[10])
+
+    @property
+    def apiserver_url(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    # ---- state layout ------------------------------------------------------------
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def pid_dir(self) -> Path:
+        return self.state_dir / "pids"
+
+    @property
+    def pods_dir(self) -> Path:
+        return self.state_dir / "pods"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "kubeconfig"
+
+    def component_kubeconfig(self, name: str) -> Path:
+        return self.state_dir / "kubeconfigs" / f"{name}.kubeconfig"
+
+    @property
+    def config_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    # ---- persistence: the node agent and DNS processes read the same config --------
+    def save(self) -> None:
+        data = dataclasses.asdict(self)
+        data["state_dir"] = str(self.state_dir)
+        data["bin_dir"] = str(self.bin_dir)
+        self.config_file.write_text(json.dumps(data, indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "ClusterConfig":
+        data = json.loads(Path(path).read_text())
+        data["state_dir"] = Path(data["state_dir"])
+        data["bin_dir"] = Path(data["bin_dir"])
+        return cls(**data)
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("KUBESHARD_CLUSTER_DIR", REPO_ROOT / ".cache" / "cluster"))

@@ -1,0 +1,349 @@
+"""LocalCluster: the whole local Kubernetes cluster, started and stopped as one thing.
+
+Start order: host network, etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler, node agents (which register Nodes), kube-proxy, cluster DNS. Stop is
+the reverse, then every leftover is swept by name (pod sandboxes, container processes,
+the bridge, nft tables, created mountpoints), so `down` also cleans up after a crash.
+
+Several pytest sessions (several engineers, one checkout) may share one cluster: each
+registers under `sessions/`, and the last one out stops a cluster that pytest started;
+a cluster started by `python -m e2e.cluster up` stays up until `down`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from dnslib import DNSRecord
+
+from . import controlplane, hostnet, processes
+from .certs import Pki
+from .config import PAUSE_MARKER, REPO_ROOT, ClusterConfig, default_state_dir
+from .controlplane import StartupError, wait_healthy
+from .handle import Cluster
+from .node.api import Api, ApiError
+from .node.volumes import remove_all_created
+from .tools import find_bin_dir
+
+ADDONS = ("node-agent", "kube-proxy", "cluster-dns")
+KUBE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy")
+PYTHON = str(REPO_ROOT / ".venv" / "bin" / "python") if (REPO_ROOT / ".venv" / "bin" / "python").exists() \
+    else sys.executable
+
+
+class LocalCluster:
+    """A process-backed cluster whose state lives in `state_dir` (default .cache/cluster)."""
+
+    def __init__(self, state_dir: Path | None = None, *, nodes: int = 1, node_gpus: int = 0,
+                 node_cpu: str = "16", node_memory: str = "64Gi", bin_dir: Path | None = None) -> None:
+        self.state_dir = Path(state_dir or default_state_dir()).resolve()
+        self._options = dict(nodes=nodes, node_gpus=node_gpus, node_cpu=node_cpu, node_memory=node_memory)
+        self._bin_dir = bin_dir
+        self.config: ClusterConfig | None = None
+        if (self.state_dir / "cluster.json").exists():
+            self.config = ClusterConfig.load(self.state_dir / "cluster.json")
+
+    # ---- status --------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        """All components alive and the API server ready."""
+        c = self.config
+        if c is None:
+            return False
+        names = controlplane.COMPONENTS + ADDONS
+        if any(processes.running(n, c.pid_dir) is None for n in names):
+            return False
+        try:
+            status, _ = controlplane._https_get(c.apiserver_port, "/readyz", Pki.load_or_create(c))
+        except OSError:
+            return False
+        return status == 200
+
+    def handle(self) -> Cluster:
+        assert self.config is not None
+        return Cluster(str(self.config.kubeconfig), self.config.bin_dir, is_local=True,
+                       local_config=self.config)
+
+    # ---- start ---------------------------------------------------------------------------
+    def start(self, timeout: float = 180.0) -> Cluster:
+        _preflight()
+        bin_dir = self._bin_dir or find_bin_dir()
+        self.down()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        c = ClusterConfig(state_dir=self.state_dir, bin_dir=bin_dir, **self._options)
+        self.config = c
+        for stale in (c.state_dir / "etcd", c.pods_dir, c.log_dir):
+            shutil.rmtree(stale, ignore_errors=True)
+        c.state_dir.mkdir(parents=True, exist_ok=True)
+        c.save()
+        try:
+            pki = Pki.load_or_create(c)
+            hostnet.setup(c)
+            controlplane.start(c, pki, timeout=timeout)
+            api = Api(c.kubeconfig)
+            _create_dns_service(api, c)
+            self._spawn_python("node-agent", "e2e.cluster.node")
+            for node in c.node_specs:
+                wait_healthy("node-agent", lambda n=node.name: _node_ready(api, n), c, timeout)
+            self._spawn("kube-proxy", _kube_proxy_argv(c))
+            wait_healthy("kube-proxy", lambda: _kube_proxy_synced(c), c, timeout)
+            self._spawn_python("cluster-dns", "e2e.cluster.dns")
+            wait_healthy("cluster-dns", lambda: _dns_answers(c), c, timeout)
+            wait_healthy("kube-controller-manager",
+                         lambda: (api.get("/api/v1/namespaces/default/serviceaccounts/default") is not None,
+                                  "no default service account yet"), c, timeout)
+        except BaseException:
+            self.down()
+            raise
+        return self.handle()
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        assert self.config is not None
+        processes.spawn(name, argv, pid_dir=self.config.pid_dir,
+                        log_path=self.config.log_dir / f"{name}.log")
+
+    def _spawn_python(self, name: str, module: str) -> None:
+        assert self.config is not None
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        processes.spawn(name, [PYTHON, "-m", module, str(self.config.config_file)],
+                        pid_dir=self.config.pid_dir, log_path=self.config.log_dir / f"{name}.log",
+                        env=env, cwd=REPO_ROOT)
+
+    # ---- stop ----------------------------------------------------------------------------
+    def down(self) -> list[str]:
+        """Stop everything and sweep leftovers; returns what could not be removed."""
+        c = self.config
+        if c is None:
+            return []
+        # The node agent first: it stops pods gracefully while the API server still runs.
+        processes.stop("node-agent", c.pid_dir, timeout=30.0)
+        for name in ("kube-proxy", "cluster-dns"):
+            processes.stop(name, c.pid_dir, timeout=10.0)
+        controlplane.stop(c)
+        _kill_container_processes(c)
+        for pid in processes.find_by_argv0_prefix(PAUSE_MARKER):
+            processes.terminate(pid, timeout=0.0)
+        hostnet.teardown(c)
+        left = remove_all_created(c.state_dir / "mountpoints.txt")
+        shutil.rmtree("/dev/shm/kubeshard", ignore_errors=True)
+        for pod in c.pods_dir.glob("*/volumes"):
+            shutil.rmtree(pod, ignore_errors=True)
+        shutil.rmtree(c.state_dir / "etcd", ignore_errors=True)
+        (c.state_dir / "owner").unlink(missing_ok=True)
+        return left + hostnet.leftovers(c)
+
+    def leftovers(self) -> list[str]:
+        """Everything of this cluster still present on the machine (empty after `down`)."""
+        c = self.config
+        if c is None:
+            return []
+        found = hostnet.leftovers(c)
+        for name in controlplane.COMPONENTS + ADDONS:
+            pid = processes.running(name, c.pid_dir)
+            if pid is not None:
+                found.append(f"{name} process {pid}")
+        # Components whose pid files are gone: every one of ours names the state dir in
+        # its arguments (other clusters built from the same binaries do not).
+        marker = str(c.state_dir).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and Path(argv[0].decode(errors="replace")).name in KUBE_BINARIES \
+                    and any(marker in a for a in argv[1:]) and processes.start_time(int(entry.name)):
+                found.append(f"{Path(argv[0].decode()).name} process {entry.name}")
+        found += [f"pod sandbox process {p}" for p in processes.find_by_argv0_prefix(PAUSE_MARKER)
+                  if processes.start_time(p) is not None]
+        own_mnt = os.readlink("/proc/self/ns/mnt")
+        for pid_file in c.pods_dir.glob("*/*/pid"):
+            try:
+                pid = int(pid_file.read_text())
+                if processes.start_time(pid) and os.readlink(f"/proc/{pid}/ns/mnt") != own_mnt:
+                    found.append(f"container process {pid} ({pid_file.parent.parent.name})")
+            except (OSError, ValueError):
+                continue
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
+                               timeout=10).stdout
+        found += [f"veth {line.split(':')[1].strip().split('@')[0]}" for line in links.splitlines()
+                  if line.split(":")[1].strip().startswith("ksv")]
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+        found += [f"mount {line.split()[4]}" for line in mountinfo.splitlines()
+                  if str(c.state_dir) in line or "kubeshard" in line.split()[4]]
+        record = c.state_dir / "mountpoints.txt"
+        if record.exists() and record.read_text().strip():
+            found += [f"mountpoint {p}" for p in record.read_text().split()]
+        if Path("/dev/shm/kubeshard").exists():
+            found.append("/dev/shm/kubeshard")
+        return found
+
+
+def _preflight() -> None:
+    if os.geteuid() != 0:
+        raise StartupError("the local cluster needs root (network namespaces, bridges, nftables); "
+                           "use KUBESHARD_E2E_KUBECONFIG to test against another cluster")
+    missing = [t for t in ("ip", "nft", "unshare", "nsenter", "busybox") if shutil.which(t) is None]
+    if missing:
+        raise StartupError(f"missing system tools: {', '.join(missing)} (run hack/ensure-system-deps.sh)")
+
+
+def _kube_proxy_argv(c: ClusterConfig) -> list[str]:
+    return [
+        str(c.bin_dir / "kube-proxy"),
+        f"--kubeconfig={c.component_kubeconfig('kube-proxy')}",
+        "--proxy-mode=nftables",
+        f"--hostname-override={c.node_specs[0].name}",
+        f"--cluster-cidr={c.cluster_cidr}",
+        f"--healthz-bind-address=127.0.0.1:{c.kube_proxy_healthz_port}",
+        f"--metrics-bind-address=127.0.0.1:{c.kube_proxy_metrics_port}",
+        # Leave the host's conntrack table size alone.
+        "--conntrack-max-per-core=0",
+        # Pods share one bridge and there is no br_netfilter: masquerading Service
+        # traffic makes replies come back through the host, where conntrack un-DNATs them.
+        "--masquerade-all",
+    ]
+
+
+def _kube_proxy_synced(c: ClusterConfig) -> tuple[bool, str]:
+    status, body = controlplane._http_get(c.kube_proxy_healthz_port, "/healthz")
+    return status == 200, body
+
+
+def _create_dns_service(api: Api, c: ClusterConfig) -> None:
+    """kube-system/kube-dns, as in every cluster; reserves the DNS IP and documents it.
+
+    It has no selector and no endpoints: hostnet's nft table sends its traffic to the
+    DNS server on 127.0.0.1 before kube-proxy sees it.
+    """
+    body = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "kube-dns", "namespace": "kube-system",
+                     "labels": {"k8s-app": "kube-dns", "kubernetes.io/name": "CoreDNS"}},
+        "spec": {"clusterIP": c.dns_service_ip, "ports": [
+            {"name": "dns", "port": 53, "protocol": "UDP"},
+            {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]},
+    }
+    try:
+        api.create("/api/v1/namespaces/kube-system/services", body)
+    except ApiError as e:
+        if e.status != 409:
+            raise
+
+
+def _node_ready(api: Api, name: str) -> tuple[bool, str]:
+    node = api.get(f"/api/v1/nodes/{name}")
+    if node is None:
+        return False, f"node {name} not registered"
+    conds = {x["type"]: x["status"] for x in (node.get("status") or {}).get("conditions") or []}
+    return conds.get("Ready") == "True", f"node {name} conditions {conds}"
+
+
+def _dns_answers(c: ClusterConfig) -> tuple[bool, str]:
+    q = DNSRecord.question("kubernetes.default.svc.cluster.local")
+    try:
+        reply = DNSRecord.parse(q.send("127.0.0.1", c.dns_port, timeout=1.0))
+    except (socket.timeout, OSError) as e:
+        return False, str(e)
+    answers = [str(r.rdata) for r in reply.rr]
+    return c.kubernetes_service_ip in answers, f"answers {answers}"
+
+
+def _kill_container_processes(c: ClusterConfig) -> None:
+    """Containers a killed node agent left behind: their pids are in the pod folders.
+
+    A pid is only signalled if that process lives in a mount namespace other than ours
+    (every container has its own), so a recycled pid of a host process is never hit.
+    """
+    own_mnt = os.readlink("/proc/self/ns/mnt")
+    for pid_file in c.pods_dir.glob("*/*/pid"):
+        try:
+            pid = int(pid_file.read_text())
+            if os.readlink(f"/proc/{pid}/ns/mnt") != own_mnt:
+                processes.terminate(pid, timeout=2.0)
+        except (OSError, ValueError):
+            continue
+
+
+# ---- sharing one cluster between pytest sessions --------------------------------------------
+@contextlib.contextmanager
+def _locked(state_dir: Path, timeout: float = 600.0) -> Iterator[None]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / ".lock", "w") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StartupError(f"another process held {state_dir}/.lock for {timeout:.0f} s")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _live_sessions(state_dir: Path) -> list[Path]:
+    live = []
+    for f in (state_dir / "sessions").glob("*"):
+        try:
+            pid, started = f.read_text().split()
+        except (OSError, ValueError):
+            f.unlink(missing_ok=True)
+            continue
+        if processes.is_alive(int(pid), started):
+            live.append(f)
+        else:
+            f.unlink(missing_ok=True)
+    return live
+
+
+def acquire(state_dir: Path | None = None, *, persistent: bool = False, **options) -> tuple[LocalCluster, Cluster]:
+    """Use the cluster of `state_dir` if it is up, else start it; register this process."""
+    cluster = LocalCluster(state_dir, **options)
+    with _locked(cluster.state_dir):
+        if not cluster.is_running():
+            cluster.start()
+            (cluster.state_dir / "owner").write_text("up" if persistent else "pytest")
+        elif persistent:
+            (cluster.state_dir / "owner").write_text("up")
+        if not persistent:
+            sessions = cluster.state_dir / "sessions"
+            sessions.mkdir(exist_ok=True)
+            (sessions / str(os.getpid())).write_text(f"{os.getpid()} {processes.start_time(os.getpid())}")
+        return cluster, cluster.handle()
+
+
+def release(cluster: LocalCluster) -> None:
+    """Unregister; stop the cluster if pytest started it and no other session uses it."""
+    with _locked(cluster.state_dir):
+        (cluster.state_dir / "sessions" / str(os.getpid())).unlink(missing_ok=True)
+        owner = (cluster.state_dir / "owner").read_text().strip() \
+            if (cluster.state_dir / "owner").exists() else "pytest"
+        if owner == "pytest" and not _live_sessions(cluster.state_dir):
+            cluster.down()
+
+
+def summary(cluster: LocalCluster) -> dict:
+    c = cluster.config
+    if c is None:
+        return {"running": False}
+    pids = {n: processes.running(n, c.pid_dir) for n in controlplane.COMPONENTS + ADDONS}
+    return {"running": cluster.is_running(), "kubeconfig": str(c.kubeconfig), "pids": pids,
+            "apiserver": c.apiserver_url, "nodes": [n.name for n in c.node_specs]}
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=2, default=str)

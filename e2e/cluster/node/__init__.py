@@ -1,0 +1,1 @@
+"""The process-backed node: a kubelet stand-in that runs each container as a local process."""

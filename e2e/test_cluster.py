@@ -1,0 +1,404 @@
+"""The cluster itself: a real API server, real controllers, pods that really run.
+
+These tests run unchanged on the local process-backed cluster and on kind
+(KUBESHARD_E2E_KUBECONFIG); the few checks only a local node can make are marked so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import urllib.request
+import uuid
+
+import pytest
+
+from e2e.cluster import Cluster
+from e2e.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+# A tiny HTTP server that answers with the pod's hostname (stdlib only, so it runs on the
+# real python image too).
+HOSTNAME_SERVER = textwrap.dedent("""
+    import http.server, socket
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = socket.gethostname().encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+    http.server.ThreadingHTTPServer(("", 8080), H).serve_forever()
+""")
+
+
+def apply(cluster: Cluster, namespace: str | None, manifest: str, check: bool = True):
+    args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
+    return cluster.kubectl(*args, input=textwrap.dedent(manifest), check=check)
+
+
+def get(cluster: Cluster, namespace: str, *what: str) -> dict:
+    return json.loads(cluster.kubectl("get", *what, "-n", namespace, "-o", "json").stdout)
+
+
+def pods(cluster: Cluster, namespace: str, selector: str) -> list[dict]:
+    return get(cluster, namespace, "pods", "-l", selector)["items"]
+
+
+def is_ready(pod: dict) -> bool:
+    conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
+    return pod.get("status", {}).get("phase") == "Running" and conds.get("Ready") == "True"
+
+
+def run_to_completion(cluster: Cluster, namespace: str, name: str, timeout: float = 90) -> str:
+    """Wait for a restartPolicy: Never pod to finish; return its log, fail if it failed."""
+    phase = wait_for(
+        lambda: get(cluster, namespace, "pod", name)["status"].get("phase") in ("Succeeded", "Failed")
+        and get(cluster, namespace, "pod", name)["status"]["phase"],
+        timeout=timeout, what=f"pod {name} to finish")
+    logs = cluster.pod_logs(namespace, name)
+    assert phase == "Succeeded", f"pod {name} {phase}; its log:\n{logs}"
+    return logs
+
+
+def test_crd_schema_accepts_valid_and_refuses_invalid_objects(cluster: Cluster, namespace: str):
+    group = f"t{uuid.uuid4().hex[:8]}.e2e.kubeshard.io"
+    crd = f"widgets.{group}"
+    apply(cluster, None, f"""
+        apiVersion: apiextensions.k8s.io/v1
+        kind: CustomResourceDefinition
+        metadata: {{name: {crd}}}
+        spec:
+          group: {group}
+          scope: Namespaced
+          names: {{plural: widgets, singular: widget, kind: Widget}}
+          versions:
+          - name: v1
+            served: true
+            storage: true
+            schema:
+              openAPIV3Schema:
+                type: object
+                properties:
+                  spec:
+                    type: object
+                    required: [size]
+                    properties:
+                      size: {{type: integer, minimum: 1, maximum: 10}}
+                      color: {{type: string, enum: [red, blue]}}
+    """)
+    try:
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s", timeout=70)
+        widget = f"""
+            apiVersion: {group}/v1
+            kind: Widget
+            metadata: {{name: %s}}
+            spec: {{size: %s, color: %s}}
+        """
+        apply(cluster, namespace, widget % ("good", 3, "red"))
+        assert get(cluster, namespace, "widget", "good")["spec"] == {"size": 3, "color": "red"}
+
+        bad = apply(cluster, namespace, widget % ("bad", 42, "green"), check=False)
+        assert bad.returncode != 0, f"an invalid widget was accepted:\n{bad.stdout}"
+        assert "spec.size: Invalid value: 42" in bad.stderr, bad.stderr
+        assert "should be less than or equal to 10" in bad.stderr, bad.stderr
+        assert 'Unsupported value: "green"' in bad.stderr, bad.stderr
+        missing = cluster.kubectl("get", "widget", "bad", "-n", namespace, check=False)
+        assert missing.returncode != 0 and "NotFound" in missing.stderr
+    finally:
+        cluster.kubectl("delete", "crd", crd, "--wait=false", check=False)
+
+
+def test_deployment_service_endpointslice_and_dns(cluster: Cluster, namespace: str):
+    apply(cluster, namespace, """
+        apiVersion: apps/v1
+        kind: Deployment
+        metadata: {name: web}
+        spec:
+          replicas: 2
+          selector: {matchLabels: {app: web}}
+          template:
+            metadata: {labels: {app: web}}
+            spec:
+              containers:
+              - name: http
+                image: python:3.11
+                command: [python, -m, http.server, "8080", --directory, /tmp]
+                ports: [{name: http, containerPort: 8080}]
+                readinessProbe: {httpGet: {path: /, port: http}, periodSeconds: 1}
+        ---
+        apiVersion: v1
+        kind: Service
+        metadata: {name: web}
+        spec:
+          selector: {app: web}
+          ports: [{name: http, port: 80, targetPort: http}]
+    """)
+    cluster.kubectl("wait", "--for=condition=Available", "deployment/web", "-n", namespace,
+                    "--timeout=120s", timeout=130)
+    web = wait_for(lambda: [p for p in pods(cluster, namespace, "app=web") if is_ready(p)]
+                   if len([p for p in pods(cluster, namespace, "app=web") if is_ready(p)]) == 2 else None,
+                   timeout=60, what="two Running and Ready web pods")
+    ips = {p["status"]["podIP"] for p in web}
+    assert len(ips) == 2, f"pods share an IP: {ips}"
+
+    def slice_addresses():
+        slices = get(cluster, namespace, "endpointslices", "-l", "kubernetes.io/service-name=web")["items"]
+        return {a for s in slices for e in s.get("endpoints") or []
+                if (e.get("conditions") or {}).get("ready") for a in e["addresses"]}
+
+    wait_for(lambda: slice_addresses() == ips, timeout=30,
+             what=f"the web EndpointSlice to list exactly {sorted(ips)}")
+
+    if cluster.is_local:  # the host reaches pod IPs directly, as a node does
+        for ip in ips:
+            assert urllib.request.urlopen(f"http://{ip}:8080/", timeout=5).status == 200
+
+    apply(cluster, namespace, f"""
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: client}}
+        spec:
+          restartPolicy: Never
+          containers:
+          - name: client
+            image: python:3.11
+            command: [python, -c]
+            args:
+            - |
+              import urllib.request
+              for url in ("http://web/", "http://web.{namespace}.svc.cluster.local:80/"):
+                  print(url, urllib.request.urlopen(url, timeout=10).status, flush=True)
+    """)
+    logs = run_to_completion(cluster, namespace, "client")
+    assert "http://web/ 200" in logs, logs
+    assert f"http://web.{namespace}.svc.cluster.local:80/ 200" in logs, logs
+
+
+def test_statefulset_pods_reach_each_other_by_stable_dns_names(cluster: Cluster, namespace: str):
+    apply(cluster, namespace, f"""
+        apiVersion: v1
+        kind: Service
+        metadata: {{name: web}}
+        spec:
+          clusterIP: None
+          selector: {{app: sts-web}}
+          ports: [{{name: http, port: 8080}}]
+        ---
+        apiVersion: apps/v1
+        kind: StatefulSet
+        metadata: {{name: web}}
+        spec:
+          serviceName: web
+          replicas: 2
+          selector: {{matchLabels: {{app: sts-web}}}}
+          template:
+            metadata: {{labels: {{app: sts-web}}}}
+            spec:
+              containers:
+              - name: http
+                image: python:3.11
+                command: [python, -c, {json.dumps(HOSTNAME_SERVER)}]
+                ports: [{{name: http, containerPort: 8080}}]
+                readinessProbe: {{tcpSocket: {{port: 8080}}, periodSeconds: 1}}
+    """)
+    wait_for(lambda: get(cluster, namespace, "statefulset", "web")["status"].get("readyReplicas") == 2,
+             timeout=120, what="StatefulSet web to have 2 ready replicas")
+    url = f"http://web-0.web.{namespace}.svc.cluster.local:8080/"
+    code = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    # DNS publishes a pod once its endpoint is ready; allow the EndpointSlice a moment.
+    out = wait_for(lambda: cluster.exec(namespace, "web-1", "python", "-c", code, timeout=30).stdout.strip(),
+                   timeout=30, what=f"web-1 to fetch {url}")
+    assert out == "web-0", f"web-0's stable name reached {out!r}"
+
+
+def test_service_account_rbac_is_enforced_inside_pods(cluster: Cluster, namespace: str):
+    # Standard library only: the same script runs in the real python image on kind.
+    script = textwrap.dedent("""
+        import json, os, ssl, urllib.error, urllib.request
+        sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+        token = open(f"{sa}/token").read()
+        ns = open(f"{sa}/namespace").read()
+        ctx = ssl.create_default_context(cafile=f"{sa}/ca.crt")
+        base = "https://%s:%s" % (os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"])
+        def get(path):
+            req = urllib.request.Request(base + path, headers={"Authorization": "Bearer " + token})
+            try:
+                with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+                    return r.status, json.load(r)
+            except urllib.error.HTTPError as e:
+                return e.code, json.load(e)
+        status, pod = get(f"/api/v1/namespaces/{ns}/pods/{os.environ['POD_NAME']}")
+        print("GET pod", status, pod.get("metadata", {}).get("name"))
+        status, body = get(f"/api/v1/namespaces/{ns}/secrets")
+        print("LIST secrets", status, body.get("message"))
+    """)
+    apply(cluster, namespace, f"""
+        apiVersion: v1
+        kind: ServiceAccount
+        metadata: {{name: reader}}
+        ---
+        apiVersion: rbac.authorization.k8s.io/v1
+        kind: Role
+        metadata: {{name: pod-getter}}
+        rules: [{{apiGroups: [""], resources: [pods], verbs: [get]}}]
+        ---
+        apiVersion: rbac.authorization.k8s.io/v1
+        kind: RoleBinding
+        metadata: {{name: reader-gets-pods}}
+        roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: pod-getter}}
+        subjects: [{{kind: ServiceAccount, name: reader, namespace: {namespace}}}]
+        ---
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: rbac-check}}
+        spec:
+          serviceAccountName: reader
+          restartPolicy: Never
+          containers:
+          - name: check
+            image: python:3.11
+            command: [python, -c, {json.dumps(script)}]
+            env:
+            - name: POD_NAME
+              valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+    """)
+    logs = run_to_completion(cluster, namespace, "rbac-check")
+    assert "GET pod 200 rbac-check" in logs, logs
+    assert "LIST secrets 403" in logs, logs
+    assert f'User "system:serviceaccount:{namespace}:reader" cannot list resource "secrets"' in logs, logs
+
+
+def test_crashing_container_restarts_with_growing_restart_count(cluster: Cluster, namespace: str):
+    apply(cluster, namespace, """
+        apiVersion: v1
+        kind: Pod
+        metadata: {name: crasher}
+        spec:
+          containers:
+          - name: crash
+            image: busybox:1.36
+            command: [sh, -c, "echo crashing; exit 3"]
+    """)
+
+    def restarts() -> int:
+        statuses = get(cluster, namespace, "pod", "crasher")["status"].get("containerStatuses") or []
+        return statuses[0]["restartCount"] if statuses else 0
+
+    first = wait_for(lambda: restarts() >= 1 and restarts(), timeout=90, what="a first restart")
+    later = wait_for(lambda: restarts() > first and restarts(), timeout=120,
+                     what=f"restartCount to grow beyond {first}")
+    assert later > first
+    status = get(cluster, namespace, "pod", "crasher")["status"]
+    container = status["containerStatuses"][0]
+    assert container["lastState"]["terminated"]["exitCode"] == 3, container
+    assert status["phase"] == "Running", status["phase"]
+    assert "crashing" in cluster.pod_logs(namespace, "crasher", previous=True)
+
+
+def test_deleting_a_deployment_removes_its_pods_and_processes(cluster: Cluster, namespace: str):
+    apply(cluster, namespace, """
+        apiVersion: apps/v1
+        kind: Deployment
+        metadata: {name: sleeper}
+        spec:
+          replicas: 2
+          selector: {matchLabels: {app: sleeper}}
+          template:
+            metadata: {labels: {app: sleeper}}
+            spec:
+              terminationGracePeriodSeconds: 5
+              containers:
+              - name: sleep
+                image: busybox:1.36
+                command: [sleep, "3600"]
+    """)
+    cluster.kubectl("wait", "--for=condition=Available", "deployment/sleeper", "-n", namespace,
+                    "--timeout=120s", timeout=130)
+    names = [p["metadata"]["name"] for p in pods(cluster, namespace, "app=sleeper")]
+    assert len(names) == 2
+    pids = [pid for n in names for pid in cluster.pod_pids(namespace, n)] if cluster.is_local else []
+    if cluster.is_local:
+        assert len(pids) == 2, f"expected one process per pod, found {pids}"
+
+    cluster.kubectl("delete", "deployment", "sleeper", "-n", namespace, "--wait=false")
+    wait_for(lambda: not pods(cluster, namespace, "app=sleeper"), timeout=60,
+             what="the garbage collector to delete the sleeper pods")
+    assert not get(cluster, namespace, "replicasets", "-l", "app=sleeper")["items"]
+    if cluster.is_local:
+        def gone(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            except OSError:
+                return True
+
+        wait_for(lambda: all(gone(p) for p in pids), timeout=30, what=f"processes {pids} to exit")
+
+
+@pytest.mark.slow
+@pytest.mark.cluster_lifecycle
+def test_make_cluster_then_cluster_down_leaves_nothing_behind(cluster: Cluster):
+    """Runs last (see conftest): it stops the session's cluster to start its own."""
+    if not cluster.is_local:
+        pytest.skip("only the local cluster is started by `make cluster`")
+    from e2e.cluster.local import LocalCluster, _live_sessions
+
+    local = LocalCluster()
+    owner = (local.state_dir / "owner").read_text().strip() if (local.state_dir / "owner").exists() else ""
+    others = [s for s in _live_sessions(local.state_dir) if s.name != str(os.getpid())]
+    if owner != "pytest" or others:
+        pytest.skip(f"the cluster in {local.state_dir} is shared (owner {owner!r}, other sessions "
+                    f"{[s.name for s in others]}); not stopping it under someone else")
+    local.down()
+    assert not local.leftovers(), "the session cluster's teardown left things behind"
+
+    up = make("cluster")
+    kubeconfig = up.stdout.strip().splitlines()[-1]
+    assert kubeconfig.endswith(".cache/cluster/kubeconfig"), up.stdout
+    nodes = cluster.kubectl("--kubeconfig", kubeconfig, "get", "nodes", "-o", "name").stdout
+    assert "node/kubeshard-node-0" in nodes
+    apply(cluster, "default", """
+        apiVersion: v1
+        kind: Pod
+        metadata: {name: lifecycle-probe}
+        spec:
+          containers:
+          - name: sleep
+            image: busybox:1.36
+            command: [sleep, "3600"]
+            volumeMounts: [{name: scratch, mountPath: /kubeshard-e2e-scratch}]
+          volumes: [{name: scratch, emptyDir: {medium: Memory}}]
+    """)
+    wait_for(lambda: is_ready(get(cluster, "default", "pod", "lifecycle-probe")), timeout=60,
+             what="a pod running before cluster-down")
+    running = LocalCluster().leftovers()
+    for what in ("kube-apiserver process", "pod sandbox process", "container process", "bridge ksbr0",
+                 "table ip kube-proxy", "mountpoint /kubeshard-e2e-scratch", "/dev/shm/kubeshard"):
+        assert any(what in r for r in running), f"the leftover check misses {what!r}: {running}"
+
+    make("cluster-down")
+    seen: list[str] = []
+
+    def clean() -> bool:
+        seen[:] = LocalCluster().leftovers()
+        return not seen
+
+    try:
+        wait_for(clean, timeout=20, what="nothing left after `make cluster-down`")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; still there: {seen}") from None
+    assert not os.path.exists("/kubeshard-e2e-scratch")
+
+
+def make(target: str) -> subprocess.CompletedProcess:
+    """Run a Makefile target as a developer would (install is assumed done)."""
+    from e2e.cluster.config import REPO_ROOT
+
+    proc = subprocess.run(["make", "-o", "install", target], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"make {target} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
