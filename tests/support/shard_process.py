@@ -113,6 +113,8 @@ def start_group(model_dir, strategy: str, shards: int, *flags: str, port: int = 
     master_port = master_port or free_port()
     common = ["--strategy", strategy, "--shards", str(shards), "--master-addr", "127.0.0.1",
               "--master-port", str(master_port), "--num-threads", "1", *flags]
+    if os.environ.get("KUBESHARD_TEST_DEVICE"):  # bench/cuda_check.py runs these on GPUs
+        common += ["--device", os.environ["KUBESHARD_TEST_DEVICE"]]
     followers = [start_shard(model_dir, *common, "--rank", str(r), *(follower_flags or {}).get(r, []), wait=False)
                  for r in range(1, shards)]
     try:

@@ -58,13 +58,26 @@ class Comm:
     world_size: int
     device: torch.device
     step_group: object  # the process group of the serving loop (short timeout)
+    # seconds spent inside collectives of the serving loop (waiting included)
+    comm_seconds: float = 0.0
+
+    def _timed(self, fn, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.comm_seconds += time.perf_counter() - started
+
+    def wait(self, work) -> None:
+        """Waits for an async collective, counting the wait as communication."""
+        self._timed(work.wait)
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=self.step_group)
+        self._timed(dist.all_reduce, t, group=self.step_group)
         return t
 
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -73,9 +86,9 @@ class Comm:
         t = t.contiguous()
         if self.is_leader:
             parts = [torch.empty_like(t) for _ in range(self.world_size)]
-            dist.gather(t, parts, dst=0, group=self.step_group)
+            self._timed(dist.gather, t, parts, dst=0, group=self.step_group)
             return torch.cat(parts, dim=-1)
-        dist.gather(t, None, dst=0, group=self.step_group)
+        self._timed(dist.gather, t, None, dst=0, group=self.step_group)
         return None
 
     def gather_rows(self, t: torch.Tensor, rows: list[int]) -> list[torch.Tensor] | None:
@@ -86,17 +99,17 @@ class Comm:
         padded[: t.shape[0]] = t
         if self.is_leader:
             parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-            dist.gather(padded, parts, dst=0, group=self.step_group)
+            self._timed(dist.gather, padded, parts, dst=0, group=self.step_group)
             return [p[:n] for p, n in zip(parts, rows)]
-        dist.gather(padded, None, dst=0, group=self.step_group)
+        self._timed(dist.gather, padded, None, dst=0, group=self.step_group)
         return None
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(t, src=0, group=self.step_group)
+        self._timed(dist.broadcast, t, src=0, group=self.step_group)
         return t
 
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor, async_op: bool = False):
-        return dist.all_gather_into_tensor(out, local, group=self.step_group, async_op=async_op)
+        return self._timed(dist.all_gather_into_tensor, out, local, group=self.step_group, async_op=async_op)
 
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)

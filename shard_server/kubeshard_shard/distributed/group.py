@@ -142,6 +142,7 @@ def _run_leader(config: EngineConfig, group: DistributedConfig, listen: ListenCo
     def load() -> ServedModel:
         member = load_member(config, group)
         member.served.engine.execute = leader_execute(member)
+        member.served.engine.comm_seconds = lambda: member.comm.comm_seconds
         member.served.on_idle = member.channel.send_heartbeat
         member.served.on_stop = member.channel.send_stop
         return member.served

@@ -193,7 +193,7 @@ class Zero3:
         if u.full is None:
             self._start_gather(u)
         if u.pending is not None:
-            u.pending.wait()
+            self.comm.wait(u.pending)
             u.pending = None
         for spec in u.specs:
             view = u.full[spec.offset:spec.offset + spec.numel].view(spec.shape)

@@ -80,6 +80,8 @@ class EngineStats:
     generated_tokens_total: int = 0
     steps_total: int = 0
     last_step_seconds: float = 0.0
+    step_seconds_total: float = 0.0
+    comm_seconds_total: float = 0.0
     # per-stream figures when the engine drives several streams (zero3 ranks)
     streams: list["EngineStats"] = field(default_factory=list)
 
@@ -146,6 +148,9 @@ class LLMEngine:
         self.generated_tokens_total = 0
         self.steps_total = 0
         self.last_step_seconds = 0.0
+        self.step_seconds_total = 0.0
+        # seconds spent in group communication, when the engine drives a shard group
+        self.comm_seconds: Callable[[], float] = lambda: 0.0
 
     # single-stream conveniences (tests, tools)
     @property
@@ -195,7 +200,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         per = [stream_stats(s) for s in self.streams]
         total = EngineStats(generated_tokens_total=self.generated_tokens_total, steps_total=self.steps_total,
-                            last_step_seconds=self.last_step_seconds)
+                            last_step_seconds=self.last_step_seconds, step_seconds_total=self.step_seconds_total,
+                            comm_seconds_total=self.comm_seconds())
         for name in ("waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
                      "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "preemptions_total"):
             setattr(total, name, sum(getattr(p, name) for p in per))
@@ -218,6 +224,7 @@ class LLMEngine:
                 outputs.extend(self._update(stream, sched, plan, lg))
         self.steps_total += 1
         self.last_step_seconds = time.perf_counter() - started
+        self.step_seconds_total += self.last_step_seconds
         return outputs
 
     def _update(self, stream: Stream, sched, plan: StepPlan, logits: torch.Tensor) -> list[TokenOutput]:

@@ -67,6 +67,8 @@ class _StatsCollector(Collector):
         yield counter("kubeshard_engine_preemptions", "Sequences preempted.", s.preemptions_total)
         yield counter("kubeshard_engine_generated_tokens", "Tokens generated.", s.generated_tokens_total)
         yield counter("kubeshard_engine_steps", "Engine steps run.", s.steps_total)
+        yield counter("kubeshard_group_comm_seconds", "Time the leader spent in shard-group collectives "
+                      "(waits included).", s.comm_seconds_total)
 
 
 class EngineMetrics:

@@ -1,0 +1,123 @@
+"""Sharding benchmark (issue: sharded model groups) on the `small` demo model.
+
+For N = 1, 2, 4 and each strategy: output tokens/s with 64 concurrent requests,
+decode ms/token at batch 1, peak RSS per rank, and the share of the leader's step time
+spent in group communication (``kubeshard_group_comm_seconds`` over the step-time sum,
+both from the leader's /metrics).
+
+    python -m bench.sharding_bench [--device cpu|cuda] [--dtype float32|bfloat16] [--shards 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import time
+import urllib.request
+
+import grpc
+
+from bench.common import Proc, demo_model, free_port, kubeshard, machine, peak_rss_bytes, write_results
+from kubeshard_proto import pb, pb_grpc
+
+REQUESTS, PROMPT, NEW = 64, 128, 64
+
+
+def request(ids, n):
+    return pb.GenerateRequest(request_id="bench", input_ids=ids, sampling=pb.SamplingParameters(),
+                              stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+
+
+async def workload(address: str, prompts: list[list[int]]) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        async for _ in stub.Generate(request(prompts[0], 4)):
+            pass
+        stamps = []
+        async for _ in stub.Generate(request(prompts[1], NEW)):
+            stamps.append(time.perf_counter())
+        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+        async def one(p):
+            n = 0
+            async for _ in stub.Generate(request(p, NEW)):
+                n += 1
+            return n
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - started
+    return {"tok_s": sum(counts) / wall, "tpot_1_ms": tpot * 1000}
+
+
+def scrape(port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def run_config(model_dir, strategy: str, shards: int, device: str, dtype: str, prompts) -> dict:
+    master, port, metrics = free_port(), free_port(), free_port()
+    threads = max(1, 2 // shards) if device == "cpu" else 1
+    common = ["--model", str(model_dir), "--host", "127.0.0.1", "--device", device, "--dtype", dtype,
+              "--strategy", strategy, "--shards", str(shards), "--master-addr", "127.0.0.1",
+              "--master-port", str(master), "--kv-cache-memory", "512MiB", "--num-threads", str(threads)]
+    procs = [Proc(kubeshard("serve-shard", *common, "--rank", str(r), "--port", "0", "--metrics-port", "0"))
+             for r in range(1, shards)]
+    leader = Proc(kubeshard("serve-shard", *common, "--rank", "0", "--port", str(port),
+                            "--metrics-port", str(metrics)))
+    procs.insert(0, leader)
+    try:
+        leader.wait_for("kubeshard shard ready", 900)
+        result = asyncio.run(workload(f"127.0.0.1:{port}", prompts))
+        step = scrape(metrics, "kubeshard_engine_step_seconds_sum")
+        comm = scrape(metrics, "kubeshard_group_comm_seconds_total")
+        result["comm_share"] = comm / step if step else 0.0
+        result["peak_rss_mib"] = [peak_rss_bytes(p.proc.pid) / 2**20 for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--shards", default="1,2,4")
+    parser.add_argument("--name", default=None, help="results file name (default sharding or sharding-cuda)")
+    args = parser.parse_args()
+    model_dir = demo_model("llama", "small")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 8192) for _ in range(PROMPT)] for _ in range(REQUESTS)]
+    rows = []
+    for shards in [int(s) for s in args.shards.split(",")]:
+        for strategy in (["tensor"] if shards == 1 else ["tensor", "zero3"]):
+            print(f"running N={shards} {strategy} ...", flush=True)
+            r = run_config(model_dir, strategy, shards, args.device, args.dtype, prompts)
+            rows.append({"shards": shards, "strategy": strategy if shards > 1 else "none", **r})
+    name = args.name or ("sharding" if args.device == "cpu" else "sharding-cuda")
+    write_results(name, {"machine": machine(), "device": args.device, "dtype": args.dtype, "rows": rows},
+                  render(rows, args))
+
+
+def render(rows, args) -> str:
+    lines = [
+        "# Sharding benchmark", "",
+        f"`python -m bench.sharding_bench --device {args.device} --dtype {args.dtype}` on the `small` demo model: "
+        f"{REQUESTS} concurrent requests of {PROMPT}-token prompts, {NEW} new tokens, greedy.", "",
+        "| shards | strategy | output tok/s (64 concurrent) | batch-1 decode ms/token | comm share of step time "
+        "| peak RSS per rank (MiB) |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        rss = ", ".join(f"{x:.0f}" for x in r["peak_rss_mib"])
+        lines.append(f"| {r['shards']} | {r['strategy']} | {r['tok_s']:.0f} | {r['tpot_1_ms']:.1f} | "
+                     f"{100 * r['comm_share']:.0f}% | {rss} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
