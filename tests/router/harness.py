@@ -18,8 +18,10 @@ from tests.router.stub_backend import StubBackend
 
 class RouterHarness:
     def __init__(self, *, models: Optional[dict[str, int]] = None, stub_kwargs: Optional[dict] = None,
-                 balance: str = "prefix", hook: Any = None, start_stubs: bool = True, **config: Any) -> None:
-        self.models = models or {"stub": 1}
+                 balance: str = "prefix", hook: Any = None, start_stubs: bool = True,
+                 sources: Optional[list] = None, **config: Any) -> None:
+        self.models = {"stub": 1} if models is None else models
+        self.sources = sources
         self.stub_kwargs = stub_kwargs or {}
         self.balance = balance
         self.hook = hook
@@ -67,7 +69,11 @@ class RouterHarness:
         defaults = dict(health_interval_s=0.2, activation_timeout_s=5.0, queue_timeout_s=5.0,
                         redis_retry_s=0.3)
         config = RouterConfig(host="127.0.0.1", port=0, backends=backends, **{**defaults, **self.config_overrides})
-        self.app = create_app(config, hook=self.hook, balance_mode=self.balance)
+        sources = None
+        if self.sources is not None:
+            from kubeshard_router.backends.static import StaticSource
+            sources = ([StaticSource(backends)] if backends else []) + self.sources
+        self.app = create_app(config, sources=sources, hook=self.hook, balance_mode=self.balance)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, http="httptools",
                                                     lifespan="on", log_level="warning", access_log=False,
                                                     timeout_graceful_shutdown=5, log_config=None))

@@ -215,16 +215,18 @@ class StubBackend:
                                    keep_requests=keep_requests)
         self.server: Optional[aio.Server] = None
         self.port = 0
+        self.host = "127.0.0.1"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
-    async def start(self, port: int = 0) -> "StubBackend":
+    async def start(self, port: int = 0, host: Optional[str] = None) -> "StubBackend":
+        self.host = host or self.host
         self.server = aio.server(options=[("grpc.max_concurrent_streams", 100_000),
                                           ("grpc.so_reuseport", 0)])
         pb_grpc.add_TextGenerationServicer_to_server(self.service, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port or self.port}")
+        self.port = self.server.add_insecure_port(f"{self.host}:{port or self.port}")
         await self.server.start()
         return self
 

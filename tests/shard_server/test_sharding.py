@@ -156,6 +156,42 @@ def test_killing_a_rank_ends_streams_and_the_group_then_a_restart_serves(demo_mo
         group2.stop()
 
 
+def test_leader_is_not_serving_until_every_rank_has_loaded(demo_model):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.support.redis_server import free_port
+
+    master, port = free_port(), free_port()
+    common = ["--strategy", "tensor", "--shards", "2", "--master-port", str(master), "--kv-cache-memory", "16MiB"]
+    leader = start_shard(demo_model("llama"), *common, "--rank", "0", port=port, wait=False)
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                break
+            except grpc.RpcError:
+                time.sleep(0.2)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # rank 1 has not joined yet
+        time.sleep(2)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        follower = start_shard(demo_model("llama"), *common, "--rank", "1", wait=False)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the group never became SERVING")
+        follower.stop()
+    finally:
+        leader.stop()
+
+
 def test_killing_the_leader_ends_its_followers(demo_model):
     group = start_group(demo_model("llama"), "tensor", 2, "--kv-cache-memory", "16MiB")
     group.leader.proc.send_signal(signal.SIGKILL)
