@@ -99,9 +99,13 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
         err = RouterError(f"internal router error ({type(exc).__name__}); see the router log")
         return error_response(err, api_of(request.url.path), state)
 
+    cached: dict = {}
+
     def openapi() -> dict:
-        if app.openapi_schema:
-            return app.openapi_schema
+        # Rebuilt when the set of models changes: the `model` path parameter lists them.
+        models = sorted(state.registry.models)
+        if cached.get("models") == models:
+            return cached["schema"]
         schema = get_openapi(title=app.title, version=app.version, description=app.description,
                              routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -109,6 +113,12 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js
+        for item in schema.get("paths", {}).values():
+            for operation in item.values():
+                for param in operation.get("parameters", []):
+                    if param.get("name") == "model" and param.get("in") == "path" and models:
+                        param["schema"] = {**param.get("schema", {}), "enum": models}
+        cached.update(models=models, schema=schema)
         app.openapi_schema = schema
         return schema
 

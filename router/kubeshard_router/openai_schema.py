@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kubeshard_router.engine_request import EngineRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ChatTemplateError, ModelTokenizer
-from kubeshard_router.validation import (UINT32_MAX, Limits, check_budget, check_seed,
-                                         check_stop, check_token_ids)
+from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, check_budget, check_seed,
+                                         check_stop, check_token_ids, schema_doc as _doc)
 
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -25,29 +25,33 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Optional[str] = Field(None, description="Model name; default: the router's default model.")
-    frequency_penalty: Optional[float] = Field(None, description="In [-2, 2].")
-    presence_penalty: Optional[float] = Field(None, description="In [-2, 2].")
+    frequency_penalty: Optional[float] = Field(None, description="In [-2, 2].", json_schema_extra=_doc(minimum=-2, maximum=2))
+    presence_penalty: Optional[float] = Field(None, description="In [-2, 2].", json_schema_extra=_doc(minimum=-2, maximum=2))
     logit_bias: Optional[dict[str, float]] = Field(None, description="Not supported; must be empty.")
-    n: Optional[int] = Field(None, description="Only 1 is supported.")
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = Field(None, description="Up to the server's max stop sequences.")
+    n: Optional[int] = Field(None, description="Only 1 is supported.", json_schema_extra=_doc(minimum=1, maximum=1))
+    seed: Optional[int] = Field(None, json_schema_extra=_doc(minimum=0, maximum=UINT64_MAX))
+    stop: Union[str, list[str], None] = Field(None, description="Up to the server's max stop sequences.",
+                                              json_schema_extra=_doc(maxItems=4))
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = Field(None, description="In [0, 2]; 0 is greedy. Default 1.")
-    top_p: Optional[float] = Field(None, description="In (0, 1].")
+    temperature: Optional[float] = Field(None, description="In [0, 2]; 0 is greedy. Default 1.",
+                                         json_schema_extra=_doc(minimum=0, maximum=2))
+    top_p: Optional[float] = Field(None, description="In (0, 1].", json_schema_extra=_doc(exclusiveMinimum=0, maximum=1))
     user: Optional[str] = None
     # Extensions (as vLLM and TGI accept them).
-    top_k: Optional[int] = Field(None, description="Extension: > 0.")
-    repetition_penalty: Optional[float] = Field(None, description="Extension: > 0.")
+    top_k: Optional[int] = Field(None, description="Extension: > 0.", json_schema_extra=_doc(minimum=1))
+    repetition_penalty: Optional[float] = Field(None, description="Extension: > 0.",
+                                                json_schema_extra=_doc(exclusiveMinimum=0))
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="One prompt: a string or a list of token ids.")
-    max_tokens: Optional[int] = Field(16, description="Default 16, as OpenAI's.")
+    max_tokens: Optional[int] = Field(16, description="Default 16, as OpenAI's.", json_schema_extra=_doc(minimum=1))
     echo: bool = False
-    logprobs: Optional[int] = Field(None, description="Alternatives per token, <= the server max.")
-    best_of: Optional[int] = Field(None, description="Only 1 is supported.")
+    logprobs: Optional[int] = Field(None, description="Alternatives per token, <= the server max.",
+                                    json_schema_extra=_doc(minimum=0, maximum=5))
+    best_of: Optional[int] = Field(None, description="Only 1 is supported.", json_schema_extra=_doc(minimum=1, maximum=1))
     suffix: Optional[str] = Field(None, description="Not supported.")
 
 
@@ -70,11 +74,13 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, description="Default: what the total-token limit leaves.")
-    max_completion_tokens: Optional[int] = Field(None, description="Alias of max_tokens.")
+    messages: list[ChatMessage] = Field(..., json_schema_extra=_doc(minItems=1))
+    max_tokens: Optional[int] = Field(None, description="Default: what the total-token limit leaves.",
+                                      json_schema_extra=_doc(minimum=1))
+    max_completion_tokens: Optional[int] = Field(None, description="Alias of max_tokens.",
+                                                 json_schema_extra=_doc(minimum=1))
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, json_schema_extra=_doc(minimum=0, maximum=5))
     tools: Optional[list[Any]] = Field(None, description="Not supported; must be empty.")
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[ResponseFormat] = None

@@ -10,38 +10,47 @@ from pydantic import BaseModel, ConfigDict, Field
 from kubeshard_router.engine_request import EngineRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ModelTokenizer
-from kubeshard_router.validation import (UINT32_MAX, Limits, check_budget, check_seed,
-                                         check_stop)
+from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, check_budget, check_seed,
+                                         check_stop, schema_doc as _doc)
 
 
 class GenerateParameters(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    best_of: Optional[int] = Field(None, description="Only 1 is supported.")
+    best_of: Optional[int] = Field(None, description="Only 1 is supported.", json_schema_extra=_doc(minimum=1, maximum=1))
     decoder_input_details: bool = Field(False, description="Return the prompt tokens with logprobs.")
     details: bool = Field(False, description="Return generation details.")
     do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
-    frequency_penalty: Optional[float] = Field(None, description="In [-2, 2].")
+    frequency_penalty: Optional[float] = Field(None, description="In [-2, 2].", json_schema_extra=_doc(minimum=-2, maximum=2))
     grammar: Optional[Any] = Field(None, description="Not supported; must be null.")
-    max_new_tokens: Optional[int] = Field(None, description="Default: what the total-token limit leaves.")
-    repetition_penalty: Optional[float] = Field(None, description="> 0; 1 means no penalty.")
+    max_new_tokens: Optional[int] = Field(None, description="Default: what the total-token limit leaves.",
+                                          json_schema_extra=_doc(minimum=1))
+    repetition_penalty: Optional[float] = Field(None, description="> 0; 1 means no penalty.",
+                                                json_schema_extra=_doc(exclusiveMinimum=0))
     return_full_text: Optional[bool] = Field(None, description="Prepend the prompt to generated_text.")
-    seed: Optional[int] = Field(None, description="Random seed for sampling.")
-    stop: list[str] = Field(default_factory=list, description="Stop sequences (kept in the text).")
-    temperature: Optional[float] = Field(None, description="> 0; implies sampling unless 1.0.")
-    top_k: Optional[int] = Field(None, description="> 0; implies sampling.")
-    top_n_tokens: Optional[int] = Field(None, description="Alternatives per token, <= the server max.")
-    top_p: Optional[float] = Field(None, description="In (0, 1]; implies sampling below 1.")
-    truncate: Optional[int] = Field(None, description="Keep only the last N prompt tokens.")
-    typical_p: Optional[float] = Field(None, description="In (0, 1]; implies sampling below 1.")
-    watermark: bool = Field(False, description="Not supported; must be false.")
+    seed: Optional[int] = Field(None, description="Random seed for sampling.",
+                                json_schema_extra=_doc(minimum=0, maximum=UINT64_MAX))
+    stop: list[str] = Field(default_factory=list, description="Stop sequences (kept in the text).",
+                            json_schema_extra=_doc(maxItems=4))
+    temperature: Optional[float] = Field(None, description="> 0; implies sampling unless 1.0.",
+                                         json_schema_extra=_doc(exclusiveMinimum=0))
+    top_k: Optional[int] = Field(None, description="> 0; implies sampling.", json_schema_extra=_doc(minimum=1))
+    top_n_tokens: Optional[int] = Field(None, description="Alternatives per token, <= the server max.",
+                                        json_schema_extra=_doc(minimum=0, maximum=5))
+    top_p: Optional[float] = Field(None, description="In (0, 1]; implies sampling below 1.",
+                                   json_schema_extra=_doc(exclusiveMinimum=0, maximum=1))
+    truncate: Optional[int] = Field(None, description="Keep only the last N prompt tokens.",
+                                    json_schema_extra=_doc(minimum=1))
+    typical_p: Optional[float] = Field(None, description="In (0, 1]; implies sampling below 1.",
+                                       json_schema_extra=_doc(exclusiveMinimum=0, maximum=1))
+    watermark: bool = Field(False, description="Not supported; must be false.", json_schema_extra=_doc(enum=[False]))
     adapter_id: Optional[str] = Field(None, description="Not supported; must be null.")
 
 
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    inputs: str = Field(..., description="The prompt.")
+    inputs: str = Field(..., description="The prompt.", json_schema_extra=_doc(minLength=1))
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS).")
 

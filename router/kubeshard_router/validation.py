@@ -33,6 +33,12 @@ class Limits:
     max_stop_sequences: int = 4
 
 
+def schema_doc(**constraints: object) -> dict:
+    """JSON-schema keywords for /openapi.json only. The rules themselves are checked in
+    code, so errors keep TGI's wording ("`temperature` must be strictly positive")."""
+    return dict(constraints)
+
+
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
 
 
