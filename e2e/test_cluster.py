@@ -16,6 +16,7 @@ import uuid
 import pytest
 
 from e2e.cluster import Cluster
+from e2e.kube import apply, get, is_ready, pods, run_to_completion
 from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -33,35 +34,6 @@ HOSTNAME_SERVER = textwrap.dedent("""
             self.wfile.write(body)
     http.server.ThreadingHTTPServer(("", 8080), H).serve_forever()
 """)
-
-
-def apply(cluster: Cluster, namespace: str | None, manifest: str, check: bool = True):
-    args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
-    return cluster.kubectl(*args, input=textwrap.dedent(manifest), check=check)
-
-
-def get(cluster: Cluster, namespace: str, *what: str) -> dict:
-    return json.loads(cluster.kubectl("get", *what, "-n", namespace, "-o", "json").stdout)
-
-
-def pods(cluster: Cluster, namespace: str, selector: str) -> list[dict]:
-    return get(cluster, namespace, "pods", "-l", selector)["items"]
-
-
-def is_ready(pod: dict) -> bool:
-    conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
-    return pod.get("status", {}).get("phase") == "Running" and conds.get("Ready") == "True"
-
-
-def run_to_completion(cluster: Cluster, namespace: str, name: str, timeout: float = 90) -> str:
-    """Wait for a restartPolicy: Never pod to finish; return its log, fail if it failed."""
-    phase = wait_for(
-        lambda: get(cluster, namespace, "pod", name)["status"].get("phase") in ("Succeeded", "Failed")
-        and get(cluster, namespace, "pod", name)["status"]["phase"],
-        timeout=timeout, what=f"pod {name} to finish")
-    logs = cluster.pod_logs(namespace, name)
-    assert phase == "Succeeded", f"pod {name} {phase}; its log:\n{logs}"
-    return logs
 
 
 def test_crd_schema_accepts_valid_and_refuses_invalid_objects(cluster: Cluster, namespace: str):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system packages kubeshard's tests and local cluster need, when missing:
 # a real Redis server, iproute2 (network namespaces for pods), nftables/iptables and
-# conntrack (kube-proxy), and util-linux (unshare/nsenter). Debian/Ubuntu only; on other
+# conntrack (kube-proxy), util-linux (unshare/nsenter) and busybox (the local cluster's
+# busybox image). Debian/Ubuntu only; on other
 # systems, install the same tools yourself.
 set -euo pipefail
 
@@ -12,6 +13,8 @@ command -v nft >/dev/null || need+=(nftables)
 command -v iptables >/dev/null || need+=(iptables)
 command -v conntrack >/dev/null || need+=(conntrack)
 command -v unshare >/dev/null || need+=(util-linux)
+# The local cluster's `busybox` image runs the real busybox applets.
+command -v busybox >/dev/null || need+=(busybox)
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

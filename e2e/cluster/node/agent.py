@@ -14,7 +14,6 @@ import platform
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from ..config import ClusterConfig, NodeSpec

@@ -41,8 +41,16 @@ def enter(path: str, nstype: int) -> None:
         os.close(fd)
 
 
-def bind(source: str, target: str, read_only: bool) -> None:
-    check(libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None),
+def bind(source: str, fd: int, target: str, read_only: bool) -> None:
+    if not os.path.exists(target):
+        # A target inside an earlier mount (a volume at /data, another at /data/x) is
+        # created inside that volume, as container runtimes do.
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "a").close()
+    check(libc.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, MS_BIND | MS_REC, None),
           f"bind {source} -> {target}")
     if read_only:
         check(libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None),
@@ -59,8 +67,13 @@ def main() -> None:
     # A mount namespace of our own, private, so no bind below shows on the host.
     check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
     check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
-    for m in spec["mounts"]:
-        bind(m["source"], m["target"], m["readOnly"])
+    # Open every source before mounting anything: a volume mounted at /data must not
+    # hide the source of a later mount that lives under /data on the host.
+    fds = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]
+    for m, fd in zip(spec["mounts"], fds):
+        bind(m["source"], fd, m["target"], m["readOnly"])
+    for fd in fds:
+        os.close(fd)
     os.chdir(spec["cwd"])
     argv = spec["argv"]
     try:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,6 +46,17 @@ class NodeContext:
 
 def pod_dir(config: ClusterConfig, ns: str, name: str, uid: str) -> Path:
     return config.pods_dir / f"{ns}_{name}_{uid}"
+
+
+# Containers are processes on this host: a volume mounted over a folder holding the
+# repository (the entrypoints, .venv) or the Python that .venv links to hides them.
+_ESSENTIAL = [REPO_ROOT, Path(os.path.realpath(sys.base_prefix))]
+_SYSTEM = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", "/run", "/var"}
+
+
+def _hides_host_essentials(target: str) -> bool:
+    path = Path(os.path.normpath(target))
+    return str(path) in _SYSTEM or any(p == path or path in p.parents for p in _ESSENTIAL)
 
 
 class PodWorker(threading.Thread):
@@ -285,8 +298,15 @@ class PodWorker(threading.Thread):
             c.next_start = time.monotonic() + 2
             self.ctx.event(self.pod, "Warning", "Failed", f"Error: {e}")
             return
+        hidden = [m["target"] for m in mounts if _hides_host_essentials(m["target"])]
+        if hidden:
+            c.waiting = ("CreateContainerConfigError",
+                         f"mountPath {hidden[0]} would hide {REPO_ROOT} or the Python installation "
+                         "that containers run from on the kubeshard local node; choose another path")
+            c.next_start = time.monotonic() + 30
+            return
         for m in mounts:
-            self.mount_refs += self.ctx.mountpoints.ensure(m["target"], Path(m["source"]).is_dir())
+            self.mount_refs.append(self.ctx.mountpoints.ensure(m["target"], Path(m["source"]).is_dir()))
         if c.run is None and c.last is not None:
             c.restart_count += 1
         cdir = self.dir / c.name

@@ -15,6 +15,7 @@ Files are written once at pod start; later ConfigMap/Secret edits are not propag
 from __future__ import annotations
 
 import base64
+import collections
 import os
 import shutil
 import threading
@@ -222,45 +223,47 @@ def _host_path(spec: dict[str, Any]) -> Path:
 class Mountpoints:
     """Folders and files created on the host only to mount onto; removed when unused.
 
-    Reference-counted across pods; persisted to a file so `down` can remove them even
-    after the agent was killed.
+    Tracks which mount targets are in use; after a release, every recorded path that no
+    target in use lies at or under is removed (if still empty). The record file lets
+    `down` remove them even after the agent was killed.
     """
 
     def __init__(self, record: Path) -> None:
         self.record = record
-        self._refs: dict[str, int] = {}
+        self._active: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
-    def ensure(self, target: str, is_dir: bool) -> list[str]:
-        """Create what is missing of `target`; returns the paths created (to release)."""
-        created = []
+    def ensure(self, target: str, is_dir: bool) -> str:
+        """Create what is missing of `target`; returns a token for `release`."""
         path = Path(os.path.realpath(target))
-        missing = []
-        p = path
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
         with self._lock:
-            for i, m in enumerate(reversed(missing)):
-                last = i == len(missing) - 1
-                if last and not is_dir:
+            missing = []
+            p = path
+            while not p.exists() and not p.is_symlink():
+                missing.append(p)
+                p = p.parent
+            for m in reversed(missing):
+                if m == path and not is_dir:
                     m.touch()
                 else:
                     m.mkdir(exist_ok=True)
-                created.append(str(m))
                 with open(self.record, "a") as f:
-                    f.write(str(m) + "\n")
-            for c in [str(path)] + created:
-                self._refs[c] = self._refs.get(c, 0) + 1
-        return [str(path)] + created
+                    f.write(f"{m}\n")
+            self._active[str(path)] += 1
+        return str(path)
 
-    def release(self, paths: list[str]) -> None:
+    def release(self, tokens: list[str]) -> None:
         with self._lock:
-            for p in paths:
-                self._refs[p] = self._refs.get(p, 1) - 1
-            for p in sorted(paths, key=lambda x: -x.count("/")):
-                if self._refs.get(p, 0) <= 0:
-                    self._refs.pop(p, None)
+            for t in tokens:
+                self._active[t] -= 1
+                if self._active[t] <= 0:
+                    del self._active[t]
+            try:
+                created = set(self.record.read_text().split())
+            except OSError:
+                return
+            for p in sorted(created, key=lambda x: -x.count("/")):
+                if not any(a == p or a.startswith(p + "/") for a in self._active):
                     remove_created(p, self.record)
 
 
