@@ -7,7 +7,9 @@ Fixture API (a contract: other tests code against it)
     Starts the local process-backed cluster once per session (or joins one that is
     already up, e.g. from ``make cluster``; a cluster pytest started is stopped when the
     last session using it ends). If ``KUBESHARD_E2E_KUBECONFIG`` is set, uses that
-    cluster instead (kind, or any other) and starts nothing.
+    cluster instead (kind, or any other) and starts nothing. A cluster this session
+    starts has ``KUBESHARD_CLUSTER_NODES`` nodes (default 1) advertising
+    ``KUBESHARD_CLUSTER_GPUS`` fake ``nvidia.com/gpu`` each (default 0).
 
     cluster.kubeconfig        path (str) of an admin kubeconfig
     cluster.bin_dir           Path of the folder holding kubectl and helm
@@ -66,7 +68,9 @@ def cluster():
         return
     from e2e.cluster.local import acquire, release
 
-    local, handle = acquire()
+    # Sizes apply when this session starts the cluster (a running one is joined as is).
+    local, handle = acquire(nodes=int(os.environ.get("KUBESHARD_CLUSTER_NODES", "1")),
+                            node_gpus=int(os.environ.get("KUBESHARD_CLUSTER_GPUS", "0")))
     try:
         yield handle
     finally:

@@ -3,6 +3,7 @@
 up      start it in the background (or keep the running one); prints the kubeconfig path
 down    stop it and remove every process, namespace, bridge, nft table and mountpoint
 status  print what runs, as JSON
+measure start a cluster, report its start time and idle memory (markdown), stop it
 Options of `up`: --nodes N, --gpus N (fake nvidia.com/gpu per node), --state-dir DIR.
 """
 
@@ -19,7 +20,7 @@ from .local import LocalCluster, acquire, dumps, summary
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("command", choices=["up", "down", "status", "measure"])
     parser.add_argument("--state-dir", type=Path, default=None)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus", type=int, default=0)
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         print(handle.kubeconfig)
         return 0
     cluster = LocalCluster(args.state_dir)
+    if args.command == "measure":
+        print(measure(cluster))
+        return 0
     if args.command == "down":
         left = cluster.down()
         if left:
@@ -39,6 +43,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(dumps(summary(cluster)))
     return 0
+
+
+def measure(cluster: LocalCluster, idle_s: float = 60.0) -> str:
+    """Warm start time and idle resident memory of every control-plane process."""
+    from . import controlplane, processes
+    from .local import ADDONS
+
+    if cluster.is_running():
+        raise SystemExit("a cluster is running in this state dir: `down` it first")
+    start = time.monotonic()
+    cluster.start()
+    started = time.monotonic() - start
+    time.sleep(idle_s)
+    rows, total = [], 0
+    assert cluster.config is not None
+    for name in controlplane.COMPONENTS + ADDONS:
+        pid = processes.running(name, cluster.config.pid_dir)
+        # Resident set of the process alone (the node agent's pods are not the node).
+        rss_kib = int(next(line.split()[1] for line in open(f"/proc/{pid}/status")
+                           if line.startswith("VmRSS:")))
+        total += rss_kib
+        rows.append(f"| {name} | {rss_kib / 1024:.0f} |")
+    cluster.down()
+    return "\n".join([
+        f"warm start (binaries built, fresh etcd): {started:.1f} s",
+        f"idle after {idle_s:.0f} s, no pods:", "",
+        "| process | RSS MiB |", "|---|---|", *rows, f"| **total** | **{total / 1024:.0f}** |"])
 
 
 if __name__ == "__main__":
