@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kubeshard_shard.distributed.comm import Comm
 from kubeshard_shard.models.config import ModelConfig
-from kubeshard_shard.models.layers import Embedding, Linear, LMHead, MergedLinear, _copy_into
+from kubeshard_shard.models.layers import Embedding, Linear, LMHead, MergedLinear, _copy_into, linear
 
 
 class ShardingError(ValueError):
@@ -93,7 +93,7 @@ class RowParallelLinear(Linear):
             _copy_into(param, tensor_slice[:, self.start:self.start + self.in_features], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.comm.all_reduce(F.linear(x, self.weight))
+        out = self.comm.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -124,7 +124,7 @@ class ParallelLMHead(LMHead):
         _copy_into(param, tensor_slice[self.start:self.start + self.num_embeddings], name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.comm.gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.comm.gather_last_dim(linear(hidden, self.weight))
         # followers get their local slice back; only the leader samples
         return logits if logits is not None else hidden.new_empty((hidden.shape[0], 0))
 
