@@ -76,3 +76,12 @@ def test_demo_model_greedy_output_is_not_degenerate(demo_model, arch):
     [outs] = run_to_completion(served.engine, [(served.tokenizer.encode("Hello there"), greedy(48))])
     ids = [o.token_id for o in outs]
     assert len(set(ids)) >= 24, f"random model repeats itself: {ids}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_serves_on_cpu(demo_model, dtype):
+    served = build_engine(demo_model("llama"), dtype=dtype)
+    assert served.dtype == getattr(torch, dtype)
+    assert served.engine.runner.cache.k[0].dtype == getattr(torch, dtype)
+    [outs] = run_to_completion(served.engine, [(random_prompts(1, 1000, (20, 20), seed=7)[0], greedy(12))])
+    assert len(outs) == 12 and all(0 <= o.token_id < 1024 for o in outs)
