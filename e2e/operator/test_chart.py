@@ -39,9 +39,11 @@ def test_template_applies_with_server_side_dry_run(cluster, kubeshard, namespace
 
 
 def test_helm_test_calls_the_router_health(cluster, kubeshard):
-    out = cluster.helm("test", kubeshard.name, "-n", kubeshard.namespace, "--logs",
+    out = cluster.helm("test", kubeshard.name, "-n", kubeshard.namespace, "--timeout", "2m",
                        timeout=180)
-    assert "Phase:          Succeeded" in out.stdout or "Succeeded" in out.stdout
+    test_suite = out.stdout[out.stdout.index("TEST SUITE:"):]
+    assert f"{kubeshard.fullname}-test-health" in test_suite
+    assert "Phase:          Succeeded" in test_suite
 
 
 def test_crd_upgrade_path_is_server_side_apply(cluster, kubeshard, tmp_path: Path):
