@@ -8,6 +8,8 @@ restart, then deletion. Sharing it keeps the suite's runtime modest on two cores
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 
@@ -189,6 +191,34 @@ def check_sharded(cluster, kubeshard, namespace, demo_model_dir):
     tokens = [e for e in events if e.get("token")]
     assert len(tokens) >= 1
     assert events[-1].get("generated_text") is not None  # TGI's last event carries the text
+
+    if cluster.is_local:
+        check_group_restarts_as_a_whole(cluster, namespace)
+
+
+def check_group_restarts_as_a_whole(cluster, namespace):
+    """A rank that dies takes its group with it: both pods are recreated, not just the
+    dead rank's container restarted in place."""
+    def shard_pods():
+        items = kubectl_json(cluster, "-n", namespace, "get", "pods",
+                             "-l", "kubeshard.io/inference-service=sharded")["items"]
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in items
+                if not p["metadata"].get("deletionTimestamp")}
+
+    before = shard_pods()
+    assert sorted(before) == ["sharded-g0-0", "sharded-g0-1"]
+    for pid in cluster.pod_pids(namespace, "sharded-g0-1"):
+        os.kill(pid, signal.SIGKILL)
+
+    def both_replaced():
+        now = shard_pods()
+        return len(now) == 2 and set(now.values()).isdisjoint(before.values()) and now
+
+    wait_for(both_replaced, 120, what="both shards of the group to be recreated")
+    events = kubectl_json(cluster, "-n", namespace, "get", "events",
+                          "--field-selector", "involvedObject.name=sharded")["items"]
+    assert any(e["reason"] == "GroupRestarted" for e in events)
+    wait_phase(cluster, namespace, "sharded", "Ready", 1, timeout=300)
 
 
 # -- one InferenceService through its life ---------------------------------------------------
