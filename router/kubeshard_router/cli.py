@@ -146,6 +146,20 @@ async def serve(config: RouterConfig, balance: str = "prefix") -> None:
     await task
 
 
+def raise_fd_limit() -> int:
+    """Each client stream holds a socket: lift the soft open-files limit to the hard one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -155,6 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(str(exc))
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.debug("open files limit: %d", raise_fd_limit())
     try:
         import uvloop
         uvloop.run(serve(config, args.balance))
