@@ -18,6 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 CLUSTER_DOMAIN = "cluster.local"
 BRIDGE = "ksbr0"
+VETH_PREFIX = "ksv"  # host ends of pod veth pairs
 NFT_TABLE = "kubeshard"
 # argv[0] of every pod sandbox process, so a teardown after a crash can still find them.
 PAUSE_MARKER = "kubeshard-pause-"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import subprocess
 
-from .config import BRIDGE, NFT_TABLE, ClusterConfig
+from .config import BRIDGE, NFT_TABLE, VETH_PREFIX, ClusterConfig
 
 
 class NetworkError(RuntimeError):
@@ -90,8 +90,19 @@ def setup(config: ClusterConfig) -> None:
     _run("nft", "-f", "-", input=_nft_rules(config))
 
 
+def pod_veths() -> list[str]:
+    """Host ends of pod veth pairs (named ksv<hash> by node/network.py)."""
+    out = _run("ip", "-o", "link", "show", check=False).stdout
+    names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+    return [n for n in names if n.startswith(VETH_PREFIX)]
+
+
 def teardown(config: ClusterConfig) -> None:
-    """Remove the bridge, routes and nft tables (ours and kube-proxy's)."""
+    """Remove the bridge, routes and nft tables (ours and kube-proxy's) and pod veths."""
+    # The kernel destroys a dead sandbox's namespace (and its veth) asynchronously;
+    # deleting the host end removes the pair at once.
+    for veth in pod_veths():
+        _run("ip", "link", "del", veth, check=False)
     for family, table in (("ip", NFT_TABLE), ("ip", "kube-proxy"), ("ip6", "kube-proxy")):
         _run("nft", "delete", "table", family, table, check=False)
     _run("ip", "route", "del", "unreachable", config.cluster_cidr, check=False)
@@ -104,6 +115,7 @@ def leftovers(config: ClusterConfig) -> list[str]:
     found = []
     if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
         found.append(f"bridge {BRIDGE}")
+    found += [f"veth {v}" for v in pod_veths()]
     tables = _run("nft", "list", "tables", check=False).stdout
     for line in tables.splitlines():
         if line.strip() in (f"table ip {NFT_TABLE}", "table ip kube-proxy", "table ip6 kube-proxy"):

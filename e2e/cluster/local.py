@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -132,7 +131,7 @@ class LocalCluster:
         _kill_container_processes(c)
         for pid in processes.find_by_argv0_prefix(PAUSE_MARKER):
             processes.terminate(pid, timeout=0.0)
-        hostnet.teardown(c)
+        hostnet.teardown(c)  # also the veths of the sandboxes just killed
         left = remove_all_created(c.state_dir / "mountpoints.txt")
         shutil.rmtree("/dev/shm/kubeshard", ignore_errors=True)
         for pod in c.pods_dir.glob("*/volumes"):
@@ -174,10 +173,6 @@ class LocalCluster:
                     found.append(f"container process {pid} ({pid_file.parent.parent.name})")
             except (OSError, ValueError):
                 continue
-        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
-                               timeout=10).stdout
-        found += [f"veth {line.split(':')[1].strip().split('@')[0]}" for line in links.splitlines()
-                  if line.split(":")[1].strip().startswith("ksv")]
         mountinfo = Path("/proc/self/mountinfo").read_text()
         found += [f"mount {line.split()[4]}" for line in mountinfo.splitlines()
                   if str(c.state_dir) in line or "kubeshard" in line.split()[4]]

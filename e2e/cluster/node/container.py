@@ -137,6 +137,7 @@ class Container:
         self.name = spec["name"]
         self.init = init
         self.restart_count = 0
+        self.crash_streak = 0  # consecutive short runs: the back-off exponent
         self.run: ContainerRun | None = None
         self.last: ContainerRun | None = None  # the previous, terminated run
         self.waiting: tuple[str, str] = ("ContainerCreating", "")
@@ -150,7 +151,7 @@ class Container:
         return bool(self.spec.get("readinessProbe"))
 
     def backoff(self, initial: float, maximum: float) -> float:
-        return min(initial * (2 ** self.restart_count), maximum)
+        return min(initial * (2 ** self.crash_streak), maximum)
 
     def status(self, image_id: str) -> dict[str, Any]:
         run = self.run

@@ -22,7 +22,7 @@ import threading
 import time
 
 from .. import processes
-from ..config import BRIDGE, PAUSE_MARKER, ClusterConfig, NodeSpec
+from ..config import BRIDGE, PAUSE_MARKER, VETH_PREFIX, ClusterConfig, NodeSpec
 
 
 class SandboxError(RuntimeError):
@@ -94,7 +94,7 @@ def create(uid: str, ip: str, node: NodeSpec, config: ClusterConfig) -> Sandbox:
         time.sleep(0.01)
     sandbox = Sandbox(uid, proc.pid, ip)
     try:
-        veth = "ksv" + hashlib.sha1(uid.encode()).hexdigest()[:11]
+        veth = VETH_PREFIX + hashlib.sha1(uid.encode()).hexdigest()[:11]
         prefix = node.pod_cidr.split("/")[1]
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(proc.pid))
         _run("ip", "link", "set", veth, "master", BRIDGE, "up")

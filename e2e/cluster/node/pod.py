@@ -267,8 +267,9 @@ class PodWorker(threading.Thread):
         cfg = self.ctx.config
         # A container that ran well beyond the longest back-off starts over from the shortest.
         if time.monotonic() - run.started_mono > 2 * cfg.restart_backoff_max_s:
-            c.restart_count = 0 if c.restart_count == 0 else 1
+            c.crash_streak = 0
         delay = c.backoff(cfg.restart_backoff_initial_s, cfg.restart_backoff_max_s)
+        c.crash_streak += 1
         c.last, c.run = run, None
         c.next_start = time.monotonic() + delay
         c.waiting = ("CrashLoopBackOff",
