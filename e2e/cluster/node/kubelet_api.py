@@ -45,11 +45,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self) -> None:
+        self._unsupported()
+
+    def _unsupported(self) -> None:
+        self._reply(501, "exec, attach and port-forward are not supported by the kubeshard local "
+                         "node (pods are local processes): reach pods by IP from the host, and "
+                         "in tests use cluster.exec(namespace, pod, *argv) from e2e/conftest.py")
+
     def do_GET(self) -> None:
         url = urlparse(self.path)
         parts = [p for p in url.path.split("/") if p]
         if parts == ["healthz"]:
             return self._reply(200, "ok")
+        if parts and parts[0] in ("exec", "attach", "portForward", "run"):
+            return self._unsupported()
         if len(parts) != 4 or parts[0] != "containerLogs":
             return self._reply(404, f"{url.path}: not supported by the kubeshard local node "
                                     "(only /containerLogs and /healthz)")
