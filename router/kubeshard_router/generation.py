@@ -72,30 +72,30 @@ class GenerationService:
     def record(self, model: str, ctx: RequestContext, error_type: Optional[str]) -> None:
         """Counts one finished request (success or the TGI error type it failed with)."""
         m = self.metrics
-        labels = (model,)
+        bound = m.model(model)
+        labels = bound.labels
         m.tgi_request_count.inc(labels)
-        now = time.perf_counter()
         if error_type is not None:
             m.tgi_request_failure.inc((model, error_type))
             return
         m.tgi_request_success.inc(labels)
-        total = (ctx.end_at or now) - ctx.start
-        m.tgi_request_duration.labels(model).observe(total)
-        m.e2e.labels(model, ctx.cache).observe(total)
-        m.tgi_request_input_length.labels(model).observe(ctx.prompt_tokens)
-        m.tgi_request_generated_tokens.labels(model).observe(ctx.generated_tokens)
-        m.prompt_tokens.labels(model).inc(ctx.prompt_tokens)
+        total = (ctx.end_at or time.perf_counter()) - ctx.start
+        bound.duration.observe(total)
+        bound.e2e(ctx.cache).observe(total)
+        bound.input_length.observe(ctx.prompt_tokens)
+        bound.generated_tokens.observe(ctx.generated_tokens)
+        bound.prompt_tokens.inc(ctx.prompt_tokens)
         if ctx.cache == "hit":
             return  # engine timings describe the engine; a replay has none
-        m.generation_tokens.labels(model).inc(ctx.generated_tokens)
+        bound.generation_tokens.inc(ctx.generated_tokens)
         finish = ctx.finish
         engine_queue_s = finish.queue_time_ns / 1e9 if finish is not None else 0.0
-        m.tgi_request_queue_duration.labels(model).observe(ctx.queue_s + engine_queue_s)
+        bound.queue_duration.observe(ctx.queue_s + engine_queue_s)
         if finish is not None and finish.inference_time_ns:
-            m.tgi_request_inference_duration.labels(model).observe(finish.inference_time_ns / 1e9)
+            bound.inference_duration.observe(finish.inference_time_ns / 1e9)
         if ctx.first_token_at is not None:
-            m.ttft.labels(model).observe(ctx.first_token_at - ctx.start)
+            bound.ttft.observe(ctx.first_token_at - ctx.start)
             if ctx.end_at is not None and ctx.generated_tokens > 1:
                 tpot = (ctx.end_at - ctx.first_token_at) / (ctx.generated_tokens - 1)
-                m.tpot.labels(model).observe(tpot)
-                m.tgi_request_mean_time_per_token_duration.labels(model).observe(tpot)
+                bound.tpot.observe(tpot)
+                bound.time_per_token.observe(tpot)

@@ -107,5 +107,40 @@ class RouterMetrics:
         self.client_disconnects = Counter(p + "client_disconnects", "Streams cancelled by their client",
                                           m, registry=r)
 
+        self._per_model: dict[str, ModelMetrics] = {}
+
+    def model(self, name: str) -> "ModelMetrics":
+        """The per-model children, bound once (label lookups cost more than observations)."""
+        bound = self._per_model.get(name)
+        if bound is None:
+            bound = self._per_model[name] = ModelMetrics(self, name)
+        return bound
+
     def add_gauges(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         self.registry.register(_Gauges(read))
+
+
+class ModelMetrics:
+    __slots__ = ("labels", "duration", "queue_duration", "inference_duration", "time_per_token",
+                 "input_length", "generated_tokens", "ttft", "tpot", "e2e_hit", "e2e_miss", "e2e_off",
+                 "e2e_bypass", "prompt_tokens", "generation_tokens")
+
+    def __init__(self, m: RouterMetrics, model: str) -> None:
+        self.labels = (model,)
+        self.duration = m.tgi_request_duration.labels(model)
+        self.queue_duration = m.tgi_request_queue_duration.labels(model)
+        self.inference_duration = m.tgi_request_inference_duration.labels(model)
+        self.time_per_token = m.tgi_request_mean_time_per_token_duration.labels(model)
+        self.input_length = m.tgi_request_input_length.labels(model)
+        self.generated_tokens = m.tgi_request_generated_tokens.labels(model)
+        self.ttft = m.ttft.labels(model)
+        self.tpot = m.tpot.labels(model)
+        self.e2e_hit = m.e2e.labels(model, "hit")
+        self.e2e_miss = m.e2e.labels(model, "miss")
+        self.e2e_off = m.e2e.labels(model, "off")
+        self.e2e_bypass = m.e2e.labels(model, "bypass")
+        self.prompt_tokens = m.prompt_tokens.labels(model)
+        self.generation_tokens = m.generation_tokens.labels(model)
+
+    def e2e(self, cache: str):
+        return {"hit": self.e2e_hit, "miss": self.e2e_miss, "bypass": self.e2e_bypass}.get(cache, self.e2e_off)
