@@ -354,7 +354,13 @@ def render(results: dict) -> str:
             a = o[run]["added"]
             lines.append(f"| {run} | **added** | **{a['ttft_p50_ms']:.2f} ms** | **{a['ttft_p99_ms']:.2f} ms** | "
                          f"**{a['total_p50_ms']:.2f} ms** | **{a['total_p99_ms']:.2f} ms** | | |")
-        lines += ["", "Targets: p50 <= 1 ms and p99 <= 5 ms added.", ""]
+        lines += ["", "Targets: p50 <= 1 ms and p99 <= 5 ms added. At 200 concurrent streams this 2-CPU "
+                  "machine is saturated by the load generator, the stub and the router together (the "
+                  "direct path alone already queues for tens to hundreds of ms), so the added figures "
+                  "there are CPU queueing, not the router's latency; the router's CPU per request is the "
+                  "figure that carries over to a larger machine. Of the ~2 ms of router CPU per 16-token "
+                  "stream, ~0.4 ms is the router itself (next table) and the rest is the grpcio client "
+                  "reading 16 messages (its per-message cost is high in this sandbox).", ""]
     i = results.get("inprocess")
     if i:
         lines += ["### The router's own share", "",
@@ -387,8 +393,9 @@ def render(results: dict) -> str:
                   f"| {k['requests']} | {k['errors']} | {k['cache_hits_counted'] / max(1, k['requests']) * 100:.0f}% | "
                   f"**{k['requests_per_s']:.0f}** | {k['router_cpu_utilization'] * 100:.0f}% | "
                   f"{k['requests_per_s'] / max(0.01, k['router_cpu_utilization']):.0f} |", "",
-                  "Requests not served from the cache are Redis lookups that ran past `--redis-timeout` "
-                  "(50 ms) on the loaded machine: they fell back to the backend, as designed.", ""]
+                  *(["Requests not served from the cache are Redis lookups that ran past `--redis-timeout` "
+                     "(50 ms) on the loaded machine: they fell back to the backend, as designed.", ""]
+                    if k["cache_hits_counted"] < k["requests"] else [])]
     a = results.get("affinity")
     if a:
         lines += ["## Prefix affinity vs round-robin (real engine, 4 replicas)", "",
@@ -407,6 +414,9 @@ def render(results: dict) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["render"]:  # rewrite router.md from router.json
+        (RESULTS / "router.md").write_text(render(json.loads((RESULTS / "router.json").read_text())))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="*", default=["all"],
                         choices=["overhead", "inprocess", "capacity", "cache", "affinity", "all"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Callable, Optional, Union
 
@@ -22,6 +23,8 @@ from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionReq
                                             plan_chat, plan_completion)
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
 from kubeshard_router.validation import parse_body
+
+log = logging.getLogger("kubeshard.router.http")
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -101,6 +104,12 @@ async def _events(request: Request, model: ModelState, plan: OpenAIPlan, ctx: Re
         if n == 0:
             raise
         yield sse_event(exc.openai_body())
+    except Exception as exc:  # a router bug mid-stream: end with an event, never a torn stream
+        log.exception("request %s: stream failed", ctx.request_id)
+        error_type = "internal"
+        if n == 0:
+            raise
+        yield sse_event(RouterError(f"internal router error ({type(exc).__name__})").openai_body())
     finally:
         finish(error_type, n > 0)
 
@@ -170,6 +179,7 @@ async def _serve(request: Request, chat: bool) -> Response:
             _events(request, model, plan, ctx, control, chat, finish),
             render_error=lambda exc: error_response(exc, "openai", state, model.name, route),
             headers={"x-request-id": ctx.request_id, "x-kubeshard-model": model.name},
+            late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
             on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
     try:
         tokens = await state.generation.collect(model, plan.engine, ctx, control)

@@ -33,12 +33,14 @@ class EventStreamResponse(Response):
 
     def __init__(self, chunks: AsyncIterator[bytes], *, render_error: Callable[[RouterError], Response],
                  headers: Optional[Mapping[str, str]] = None,
+                 late_headers: Optional[Callable[[], Mapping[str, str]]] = None,
                  on_disconnect: Optional[Callable[[], None]] = None) -> None:
         # As StreamingResponse does: no body, so no Content-Length.
         self.status_code = 200
         self.background = None
         self.init_headers({**SSE_HEADERS, **(headers or {})})
         self.chunks = chunks
+        self.late_headers = late_headers  # evaluated once the first chunk exists (cache status, ...)
         self.render_error = render_error
         self.on_disconnect = on_disconnect
 
@@ -68,8 +70,11 @@ class EventStreamResponse(Response):
                 finished = True
                 await self.render_error(exc)(scope, receive, send)
                 return
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
+            headers = self.raw_headers
+            if self.late_headers is not None:
+                headers = headers + [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                     for k, v in self.late_headers().items()]
+            await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
             if first is not None:
                 await send({"type": "http.response.body", "body": first, "more_body": True})
                 async for chunk in self.chunks:

@@ -4,6 +4,7 @@ the same under ``/models/{name}/``, and ``/metrics``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Optional
 
@@ -21,6 +22,8 @@ from kubeshard_router.http import ORJSONResponse, error_response, get_state, jso
 from kubeshard_router.sse import EventStreamResponse, sse_event
 from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest, TgiPlan, plan_tgi
 from kubeshard_router.validation import parse_body
+
+log = logging.getLogger("kubeshard.router.http")
 
 router = APIRouter(tags=["TGI"])
 
@@ -111,6 +114,12 @@ async def _events(request: Request, model: ModelState, req: GenerateRequest, pla
         if index == 0:
             raise  # nothing sent yet: the response becomes a plain HTTP error
         yield sse_event(exc.tgi_body())
+    except Exception as exc:  # a router bug mid-stream: end with an event, never a torn stream
+        log.exception("request %s: stream failed", ctx.request_id)
+        error_type = "internal"
+        if index == 0:
+            raise
+        yield sse_event(RouterError(f"internal router error ({type(exc).__name__})").tgi_body())
     finally:
         finish(error_type, index > 0)
 
@@ -156,6 +165,7 @@ async def _generate(request: Request, model_name: Optional[str], stream: Optiona
             _events(request, model, req, plan, ctx, control, finish),
             render_error=lambda exc: error_response(exc, "tgi", state, model.name, route),
             headers=headers,
+            late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
             on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
     try:
         tokens = await state.generation.collect(model, plan.engine, ctx, control)

@@ -43,6 +43,7 @@ def test_a_hit_replays_the_same_sse_events(make_router, redis_url):
     assert wait_for(lambda: len(cache_keys(redis_url)) == 1)
     hit = httpx.post(h.url + "/generate_stream", json=body)
     assert hit.text == miss.text and len(sse(hit.text)) == 5
+    assert (miss.headers["x-kubeshard-cache"], hit.headers["x-kubeshard-cache"]) == ("miss", "hit")
     assert h.stub().counters.generate_calls == 1
     # The entry holds engine tokens, so other APIs asking the same thing reuse it.
     comp = httpx.post(h.url + "/v1/completions", json={"prompt": "hello world", "max_tokens": 5,

@@ -109,6 +109,7 @@ class Registry:
         self._client_factory = client_factory or (lambda addr: ReplicaClient(
             addr, info_timeout_s=config.info_timeout_s, health_timeout_s=config.connect_timeout_s))
         self._closing = False
+        self._closers: set[asyncio.Task] = set()
         self.listeners: list[Callable[[ModelState], None]] = []
 
     def get(self, name: str) -> Optional[ModelState]:
@@ -150,7 +151,9 @@ class Registry:
         if replica._probe is not None:
             replica._probe.cancel()
         # Let in-flight streams finish on the old channel; close it once they have.
-        asyncio.create_task(self._close_when_idle(replica))
+        closer = asyncio.create_task(self._close_when_idle(replica))
+        self._closers.add(closer)
+        closer.add_done_callback(self._closers.discard)
         log.info("model %s: replica %s removed", model.name, address)
 
     async def _close_when_idle(self, replica: Replica) -> None:
