@@ -23,6 +23,7 @@ from pathlib import Path
 READY_LINE = "kubeshard ready on http://"
 SHARD_READY = "kubeshard shard ready"
 STARTUP_TIMEOUT_S = 600.0
+DEMO_MODEL_ID = "kubeshard-demo"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,7 +144,7 @@ def run_launcher(args) -> int:
     model_dir = Path(args.model).expanduser() if args.model else default_model()
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model {model_dir}: not a checkpoint folder (no config.json)")
-    model_id = args.model_id or model_dir.resolve().name
+    model_id = args.model_id or (model_dir.resolve().name if args.model else DEMO_MODEL_ID)
     shards = args.shards or 1
     strategy = args.strategy or "tensor"
     python = sys.executable
