@@ -66,7 +66,7 @@ def cluster():
             bin_dir = Path("/usr/local/bin")  # kubectl and helm from PATH
         yield Cluster(kubeconfig, bin_dir, is_local=False)
         return
-    from e2e.cluster.local import acquire, release
+    from e2e.cluster.sharing import acquire, release
 
     # Sizes apply when this session starts the cluster (a running one is joined as is).
     local, handle = acquire(nodes=int(os.environ.get("KUBESHARD_CLUSTER_NODES", "1")),

@@ -317,7 +317,8 @@ def test_make_cluster_then_cluster_down_leaves_nothing_behind(cluster: Cluster):
     """Runs last (see conftest): it stops the session's cluster to start its own."""
     if not cluster.is_local:
         pytest.skip("only the local cluster is started by `make cluster`")
-    from e2e.cluster.local import LocalCluster, _live_sessions
+    from e2e.cluster.local import LocalCluster
+    from e2e.cluster.sharing import _live_sessions
 
     local = LocalCluster()
     owner = (local.state_dir / "owner").read_text().strip() if (local.state_dir / "owner").exists() else ""
@@ -347,10 +348,15 @@ def test_make_cluster_then_cluster_down_leaves_nothing_behind(cluster: Cluster):
     """)
     wait_for(lambda: is_ready(get(cluster, "default", "pod", "lifecycle-probe")), timeout=60,
              what="a pod running before cluster-down")
-    running = LocalCluster().leftovers()
-    for what in ("kube-apiserver process", "pod sandbox process", "container process", "bridge ksbr0",
-                 "table ip kube-proxy", "mountpoint /kubeshard-e2e-scratch", "/dev/shm/kubeshard"):
-        assert any(what in r for r in running), f"the leftover check misses {what!r}: {running}"
+    expected = ("kube-apiserver process", "pod sandbox process", "container process", "bridge ksbr0",
+                "table ip kube-proxy", "mountpoint /kubeshard-e2e-scratch", "/dev/shm/kubeshard")
+
+    def sees_everything() -> list[str] | None:
+        running = LocalCluster().leftovers()
+        return running if all(any(w in r for r in running) for w in expected) else None
+
+    # The check must see a running cluster's parts, or "nothing left" would prove nothing.
+    wait_for(sees_everything, timeout=15, what=f"the leftover check to see all of {expected}")
 
     make("cluster-down")
     seen: list[str] = []

@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from .local import LocalCluster, acquire, dumps, summary
+from .local import LocalCluster, dumps, summary
+from .sharing import acquire
 
 
 def main(argv: list[str] | None = None) -> int:

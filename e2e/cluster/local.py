@@ -5,23 +5,18 @@ kube-scheduler, node agents (which register Nodes), kube-proxy, cluster DNS. Sto
 the reverse, then every leftover is swept by name (pod sandboxes, container processes,
 the bridge, nft tables, created mountpoints), so `down` also cleans up after a crash.
 
-Several pytest sessions (several engineers, one checkout) may share one cluster: each
-registers under `sessions/`, and the last one out stops a cluster that pytest started;
-a cluster started by `python -m e2e.cluster up` stays up until `down`.
+Sharing one cluster between pytest sessions is in sharing.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Iterator
 
 from dnslib import DNSRecord
 
@@ -160,9 +155,10 @@ class LocalCluster:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv and Path(argv[0].decode(errors="replace")).name in KUBE_BINARIES \
-                    and any(marker in a for a in argv[1:]) and processes.start_time(int(entry.name)):
-                found.append(f"{Path(argv[0].decode()).name} process {entry.name}")
+            name = Path(argv[0].decode(errors="replace")).name if argv else ""
+            if name in KUBE_BINARIES and any(marker in a for a in argv[1:]) \
+                    and processes.start_time(int(entry.name)):
+                found.append(f"{name} process {entry.name}")
         found += [f"pod sandbox process {p}" for p in processes.find_by_argv0_prefix(PAUSE_MARKER)
                   if processes.start_time(p) is not None]
         own_mnt = os.readlink("/proc/self/ns/mnt")
@@ -181,7 +177,7 @@ class LocalCluster:
             found += [f"mountpoint {p}" for p in record.read_text().split()]
         if Path("/dev/shm/kubeshard").exists():
             found.append("/dev/shm/kubeshard")
-        return found
+        return list(dict.fromkeys(found))
 
 
 def _preflight() -> None:
@@ -212,7 +208,12 @@ def _kube_proxy_argv(c: ClusterConfig) -> list[str]:
 
 def _kube_proxy_synced(c: ClusterConfig) -> tuple[bool, str]:
     status, body = controlplane._http_get(c.kube_proxy_healthz_port, "/healthz")
-    return status == 200, body
+    if status != 200:
+        return False, body
+    # Healthy can precede the first sync; the Service rules exist once its table does.
+    table = subprocess.run(["nft", "list", "chain", "ip", "kube-proxy", "services"],
+                           capture_output=True, text=True, timeout=10)
+    return table.returncode == 0, table.stderr or "kube-proxy's services chain exists"
 
 
 def _create_dns_service(api: Api, c: ClusterConfig) -> None:
@@ -268,67 +269,6 @@ def _kill_container_processes(c: ClusterConfig) -> None:
                 processes.terminate(pid, timeout=2.0)
         except (OSError, ValueError):
             continue
-
-
-# ---- sharing one cluster between pytest sessions --------------------------------------------
-@contextlib.contextmanager
-def _locked(state_dir: Path, timeout: float = 600.0) -> Iterator[None]:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with open(state_dir / ".lock", "w") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StartupError(f"another process held {state_dir}/.lock for {timeout:.0f} s")
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _live_sessions(state_dir: Path) -> list[Path]:
-    live = []
-    for f in (state_dir / "sessions").glob("*"):
-        try:
-            pid, started = f.read_text().split()
-        except (OSError, ValueError):
-            f.unlink(missing_ok=True)
-            continue
-        if processes.is_alive(int(pid), started):
-            live.append(f)
-        else:
-            f.unlink(missing_ok=True)
-    return live
-
-
-def acquire(state_dir: Path | None = None, *, persistent: bool = False, **options) -> tuple[LocalCluster, Cluster]:
-    """Use the cluster of `state_dir` if it is up, else start it; register this process."""
-    cluster = LocalCluster(state_dir, **options)
-    with _locked(cluster.state_dir):
-        if not cluster.is_running():
-            cluster.start()
-            (cluster.state_dir / "owner").write_text("up" if persistent else "pytest")
-        elif persistent:
-            (cluster.state_dir / "owner").write_text("up")
-        if not persistent:
-            sessions = cluster.state_dir / "sessions"
-            sessions.mkdir(exist_ok=True)
-            (sessions / str(os.getpid())).write_text(f"{os.getpid()} {processes.start_time(os.getpid())}")
-        return cluster, cluster.handle()
-
-
-def release(cluster: LocalCluster) -> None:
-    """Unregister; stop the cluster if pytest started it and no other session uses it."""
-    with _locked(cluster.state_dir):
-        (cluster.state_dir / "sessions" / str(os.getpid())).unlink(missing_ok=True)
-        owner = (cluster.state_dir / "owner").read_text().strip() \
-            if (cluster.state_dir / "owner").exists() else "pytest"
-        if owner == "pytest" and not _live_sessions(cluster.state_dir):
-            cluster.down()
 
 
 def summary(cluster: LocalCluster) -> dict:

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import CLUSTER_DOMAIN, REPO_ROOT, ClusterConfig, NodeSpec
+from ..config import REPO_ROOT, ClusterConfig, NodeSpec
 from . import env as envmod
-from . import images, network
+from . import etc_files, images, network
 from . import status as statusmod
 from .api import Api, ApiError
 from .container import Container, ContainerRun, LaunchSpec, now_iso
@@ -156,7 +156,7 @@ class PodWorker(threading.Thread):
                     if sandbox.pid is not None:
                         self.ctx.ipam.release(sandbox.ip)
                     raise
-                self._write_etc_files(sandbox.ip)
+                etc_files.write(self.pod, self.dir / "etc", sandbox.ip, self.ctx.config.dns_service_ip)
                 self.volumes, self.sandbox = volumes, sandbox
                 self.pod_ip = sandbox.ip
         except (VolumeError, ApiError, network.SandboxError, OSError) as e:
@@ -180,45 +180,6 @@ class PodWorker(threading.Thread):
         }
         resp = self.ctx.api.create(f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token", body)
         return resp["status"]["token"]
-
-    def _write_etc_files(self, ip: str) -> None:
-        spec = self.pod["spec"]
-        etc = self.dir / "etc"
-        etc.mkdir(exist_ok=True)
-        hostname = spec.get("hostname") or self.name
-        names = [hostname]
-        if spec.get("subdomain"):
-            names.insert(0, f"{hostname}.{spec['subdomain']}.{self.ns}.svc.{CLUSTER_DOMAIN}")
-        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-                 f"{ip}\t{' '.join(names)}"]
-        for alias in spec.get("hostAliases") or []:
-            lines.append(f"{alias['ip']}\t{' '.join(alias.get('hostnames') or [])}")
-        (etc / "hosts").write_text("\n".join(lines) + "\n")
-        (etc / "hostname").write_text(hostname + "\n")
-        policy = spec.get("dnsPolicy", "ClusterFirst")
-        if spec.get("hostNetwork") and policy == "ClusterFirst":
-            policy = "Default"  # as in Kubernetes: host-network pods keep the node's DNS
-        dns_config = spec.get("dnsConfig") or {}
-        servers: list[str] = []
-        searches: list[str] = []
-        options = ["ndots:5"]
-        if policy in ("ClusterFirst", "ClusterFirstWithHostNet"):
-            servers = [self.ctx.config.dns_service_ip]
-            searches = [f"{self.ns}.svc.{CLUSTER_DOMAIN}", f"svc.{CLUSTER_DOMAIN}", CLUSTER_DOMAIN]
-        elif policy == "None":
-            options = []
-        if policy == "Default":
-            return
-        servers += dns_config.get("nameservers") or []
-        searches += dns_config.get("searches") or []
-        for opt in dns_config.get("options") or []:
-            options.append(opt["name"] + (f":{opt['value']}" if opt.get("value") else ""))
-        text = "".join(f"nameserver {s}\n" for s in servers)
-        if searches:
-            text += f"search {' '.join(searches)}\n"
-        if options:
-            text += f"options {' '.join(options)}\n"
-        (etc / "resolv.conf").write_text(text)
 
     # ---- containers --------------------------------------------------------------------
     def _step(self) -> None:
