@@ -311,6 +311,110 @@ def test_deleting_a_deployment_removes_its_pods_and_processes(cluster: Cluster, 
         wait_for(lambda: all(gone(p) for p in pids), timeout=30, what=f"processes {pids} to exit")
 
 
+APISERVICE_BACKEND = textwrap.dedent("""
+    import http.server, json, ssl
+    GROUP = "%s"
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            peer = self.connection.getpeercert() or {}
+            cn = [v for rdn in peer.get("subject", ()) for k, v in rdn if k == "commonName"]
+            body = json.dumps({
+                "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": GROUP + "/v1",
+                "resources": [{"name": "whoami-" + (self.headers.get("X-Remote-User") or "nobody")
+                               .replace(":", "."), "singularName": "", "namespaced": False,
+                               "kind": "CN-" + (cn[0] if cn else "none"), "verbs": ["get"]}],
+            }).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain("/tls/tls.crt", "/tls/tls.key")
+    ctx.load_verify_locations("/tls/front-proxy-ca.crt")
+    ctx.verify_mode = ssl.CERT_OPTIONAL  # discovery probes come without a client certificate
+    server = http.server.ThreadingHTTPServer(("", 8443), H)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    server.serve_forever()
+""")
+
+
+def _self_signed(cn: str) -> tuple[str, str]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(cn)]), critical=False)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM).decode(),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()).decode())
+
+
+def test_aggregation_layer_proxies_to_an_apiservice_backend(cluster: Cluster, namespace: str):
+    group = f"t{uuid.uuid4().hex[:8]}.e2e.kubeshard.io"
+    # The backend authenticates the aggregator with the front-proxy CA, as a real
+    # extension API server does (it reads it from this ConfigMap).
+    auth = json.loads(cluster.kubectl("get", "configmap", "extension-apiserver-authentication", "-n",
+                                      "kube-system", "-o", "json").stdout)["data"]
+    cert, key = _self_signed(f"backend.{namespace}.svc")
+    cluster.kubectl("create", "secret", "generic", "tls", "-n", namespace,
+                    "--from-literal=tls.crt=" + cert, "--from-literal=tls.key=" + key,
+                    "--from-literal=front-proxy-ca.crt=" + auth["requestheader-client-ca-file"])
+    apply(cluster, namespace, f"""
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: backend, labels: {{app: backend}}}}
+        spec:
+          containers:
+          - name: api
+            image: python:3.11
+            command: [python, -c, {json.dumps(APISERVICE_BACKEND % group)}]
+            ports: [{{containerPort: 8443}}]
+            readinessProbe: {{tcpSocket: {{port: 8443}}, periodSeconds: 1}}
+            volumeMounts: [{{name: tls, mountPath: /tls}}]
+          volumes: [{{name: tls, secret: {{secretName: tls}}}}]
+        ---
+        apiVersion: v1
+        kind: Service
+        metadata: {{name: backend}}
+        spec:
+          selector: {{app: backend}}
+          ports: [{{port: 443, targetPort: 8443}}]
+    """)
+    apply(cluster, None, f"""
+        apiVersion: apiregistration.k8s.io/v1
+        kind: APIService
+        metadata: {{name: v1.{group}}}
+        spec:
+          group: {group}
+          version: v1
+          service: {{namespace: {namespace}, name: backend, port: 443}}
+          insecureSkipTLSVerify: true
+          groupPriorityMinimum: 1000
+          versionPriority: 15
+    """)
+    try:
+        cluster.kubectl("wait", "--for=condition=Available", f"apiservice/v1.{group}", "--timeout=90s",
+                        timeout=100)
+        listing = json.loads(cluster.kubectl("get", "--raw", f"/apis/{group}/v1").stdout)
+        resource = listing["resources"][0]
+        assert listing["groupVersion"] == f"{group}/v1"
+        assert resource["name"] == "whoami-kubernetes-admin", resource  # X-Remote-User from the aggregator
+        assert resource["kind"] == "CN-front-proxy-client", resource  # its proxy client certificate
+    finally:
+        cluster.kubectl("delete", "apiservice", f"v1.{group}", "--wait=false", check=False)
+
+
 @pytest.mark.slow
 @pytest.mark.cluster_lifecycle
 def test_make_cluster_then_cluster_down_leaves_nothing_behind(cluster: Cluster):
