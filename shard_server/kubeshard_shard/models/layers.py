@@ -136,10 +136,13 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        if x.dtype == torch.float32:
+            # torch's fused kernel: the same float32 arithmetic in one pass
+            out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        else:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
 
 
