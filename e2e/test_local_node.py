@@ -255,3 +255,31 @@ def test_init_containers_run_first_and_kubectl_logs_works(cluster: Cluster, name
     assert via_api == logs
     init_status = get(cluster, namespace, "pod", "init")["status"]["initContainerStatuses"][0]
     assert init_status["state"]["terminated"]["exitCode"] == 0
+
+
+def test_volume_over_a_parent_of_the_repository_keeps_the_programs_visible(cluster: Cluster, namespace: str):
+    """An emptyDir over a parent of the repository (the chart mounts one at /tmp, and a
+    clone may live under /tmp) shows an empty volume, yet the container still runs from
+    the repository's virtual environment, which the launcher binds back on top."""
+    if not cluster.is_local:
+        pytest.skip("only the local node runs containers from the host's repository")
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    parent = str(repo.parent)
+    apply(cluster, namespace, f"""
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: parent-mount}}
+        spec:
+          restartPolicy: Never
+          containers:
+          - name: main
+            image: python:3.11
+            command: [python, -c, "import os, kubeshard_shard; print(sorted(os.listdir({parent!r})))"]
+            volumeMounts: [{{name: scratch, mountPath: {parent}}}]
+          volumes: [{{name: scratch, emptyDir: {{}}}}]
+    """)
+    logs = run_to_completion(cluster, namespace, "parent-mount")
+    # the volume is empty but for the repository's own mountpoint
+    assert logs.strip() == str([repo.name]), logs

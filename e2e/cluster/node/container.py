@@ -40,6 +40,10 @@ class LaunchSpec:
     netns: str | None
     utsns: str | None
     hostname: str
+    # host folders the container's programs live in (the repository, Python); a volume
+    # mounted over one of their parents (e.g. an emptyDir at /tmp with the repo under
+    # /tmp) must not hide them, so the launcher binds them back on top
+    keep: list[str] = dataclasses.field(default_factory=list)
 
 
 class ContainerRun:

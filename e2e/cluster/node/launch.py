@@ -57,6 +57,14 @@ def bind(source: str, fd: int, target: str, read_only: bool) -> None:
               f"remount {target} read-only")
 
 
+def _same_folder(path: str, fd: int) -> bool:
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     if spec.get("netns"):
@@ -70,9 +78,14 @@ def main() -> None:
     # Open every source before mounting anything: a volume mounted at /data must not
     # hide the source of a later mount that lives under /data on the host.
     fds = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]
+    keep = [(path, os.open(path, os.O_PATH)) for path in spec.get("keep", []) if os.path.isdir(path)]
     for m, fd in zip(spec["mounts"], fds):
         bind(m["source"], fd, m["target"], m["readOnly"])
-    for fd in fds:
+    # A volume over a parent of the repository or of Python hid them: bind them back.
+    for path, fd in keep:
+        if not _same_folder(path, fd):
+            bind(path, fd, path, False)
+    for fd in fds + [fd for _, fd in keep]:
         os.close(fd)
     os.chdir(spec["cwd"])
     argv = spec["argv"]

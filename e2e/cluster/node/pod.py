@@ -48,15 +48,17 @@ def pod_dir(config: ClusterConfig, ns: str, name: str, uid: str) -> Path:
     return config.pods_dir / f"{ns}_{name}_{uid}"
 
 
-# Containers are processes on this host: a volume mounted over a folder holding the
-# repository (the entrypoints, .venv) or the Python that .venv links to hides them.
+# Containers are processes on this host: they need the repository (the entrypoints,
+# .venv) and the Python that .venv links to. A volume mounted over a parent of those
+# (an emptyDir at /tmp while the clone lives in /tmp) is fine: the launcher binds them
+# back on top. A volume over one of them, or over a system folder, cannot work.
 _ESSENTIAL = [REPO_ROOT, Path(os.path.realpath(sys.base_prefix))]
 _SYSTEM = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", "/run", "/var"}
 
 
 def _hides_host_essentials(target: str) -> bool:
     path = Path(os.path.normpath(target))
-    return str(path) in _SYSTEM or any(p == path or path in p.parents for p in _ESSENTIAL)
+    return str(path) in _SYSTEM or any(p == path or p in path.parents for p in _ESSENTIAL)
 
 
 class PodWorker(threading.Thread):
@@ -277,6 +279,7 @@ class PodWorker(threading.Thread):
             argv=argv, env=env, cwd=spec.get("workingDir") or str(REPO_ROOT), mounts=mounts,
             netns=self.sandbox.ns_path("net"), utsns=self.sandbox.ns_path("uts"),
             hostname=self.pod["spec"].get("hostname") or self.name,
+            keep=[str(p) for p in _ESSENTIAL],
         )
         run = ContainerRun(launch, cdir / f"{c.restart_count}.log", cdir / f"{c.restart_count}.json")
         (cdir / "pid").write_text(str(run.pid))
