@@ -4,44 +4,36 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.processes import Proc, start
 from tests.support.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-
-def launch(argv: list[str], timeout: float = 600) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True)
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("kubeshard ready on http://"):
-            return proc, lines
-        if time.monotonic() > deadline:
-            break
-    stop(proc)
-    raise AssertionError("never ready:\n" + "".join(lines)[-5000:])
+ROOT = Path(__file__).resolve().parents[2]
+READY = re.compile(r"^kubeshard ready on http://(?P<host>[^:\s]+):(?P<port>\d+)$")
 
 
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+def launch(argv: list[str], timeout: float = 600) -> Proc:
+    return start(argv[0], argv, READY, timeout=timeout, cwd=str(ROOT))
+
+
+def stop(p: Proc) -> int | None:
+    """Ctrl-C to the whole session, as a user at a terminal would."""
+    if p.proc.poll() is None:
+        os.killpg(p.proc.pid, signal.SIGINT)
         try:
-            proc.wait(60)
+            p.proc.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
+            p.kill()
+    return p.proc.returncode
 
 
 def curl_generate(port: int, prompt: str = "Hello", n: int = 12) -> dict:
@@ -54,9 +46,9 @@ def curl_generate(port: int, prompt: str = "Hello", n: int = 12) -> dict:
 
 def test_make_run_answers_a_curl_to_generate():
     port = free_port()
-    proc, lines = launch(["make", "--no-print-directory", "run", f"ARGS=--port {port}"])
+    proc = launch(["make", "--no-print-directory", "run", f"ARGS=--port {port}"])
     try:
-        assert f"kubeshard ready on http://127.0.0.1:{port}" in lines[-1]
+        assert proc.match["port"] == str(port)
         out = curl_generate(port)
         assert out["generated_text"] and out["details"]["generated_tokens"] == 12
         assert len(out["details"]["tokens"]) == 12 and all("id" in t for t in out["details"]["tokens"])
@@ -69,7 +61,7 @@ def test_make_run_answers_a_curl_to_generate():
 
 def test_serve_sharded_groups_with_replicas(demo_model):
     port = free_port()
-    proc, _ = launch([sys.executable, "-m", "kubeshard_shard.cli", "serve", "--model", str(demo_model("llama")),
+    proc = launch([sys.executable, "-m", "kubeshard_shard.cli", "serve", "--model", str(demo_model("llama")),
                       "--port", str(port), "--no-redis", "--shards", "2", "--strategy", "zero3", "--replicas", "2",
                       "--kv-cache-memory", "16MiB"])
     try:

@@ -1,4 +1,4 @@
-"""Start a real ``kubeshard serve-shard`` process for tests and wait until it serves."""
+"""Real ``kubeshard serve-shard`` processes and shard groups for tests."""
 
 from __future__ import annotations
 
@@ -7,55 +7,46 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from kubeshard_proto import pb, pb_grpc
+from tests.support.processes import Proc, start, wait_exit
 from tests.support.redis_server import free_port
+
+__all__ = ["ShardProcess", "ShardGroup", "start_shard", "start_group", "wait_exit", "shard_command"]
 
 READY = re.compile(r"kubeshard shard ready: model (?P<model>\S+) on (?P<host>[^:\s]+):(?P<port>\d+)")
 
 
 @dataclass
 class ShardProcess:
-    proc: subprocess.Popen
-    address: str
+    """A ``kubeshard serve-shard`` process (any rank) and how to talk to it."""
+
+    p: Proc
     metrics_port: int | None
-    lines: list[str] = field(default_factory=list)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.p.proc
+
+    @property
+    def address(self) -> str:
+        return self.p.address if self.p.match else ""
+
+    @property
+    def output(self) -> str:
+        return self.p.output
 
     def stub(self) -> pb_grpc.TextGenerationStub:
-        channel = grpc.insecure_channel(self.address)
-        return pb_grpc.TextGenerationStub(channel)
+        return pb_grpc.TextGenerationStub(grpc.insecure_channel(self.address))
 
     def stats(self) -> pb.StatsResponse:
         return self.stub().Stats(pb.StatsRequest(), timeout=10)
 
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _pump(proc: subprocess.Popen, lines: list[str], ready: threading.Event, found: dict) -> None:
-    for line in proc.stdout:
-        lines.append(line)
-        m = READY.search(line)
-        if m and not ready.is_set():
-            found.update(m.groupdict())
-            ready.set()
-    ready.set()
+        return self.p.stop(sig, timeout)
 
 
 def shard_command(model_dir, *flags: str, port: int = 0, metrics_port: int | None = None) -> list[str]:
@@ -66,30 +57,15 @@ def shard_command(model_dir, *flags: str, port: int = 0, metrics_port: int | Non
 
 def start_shard(model_dir, *flags: str, port: int = 0, metrics: bool = False, timeout: float = 180,
                 env: dict | None = None, wait: bool = True) -> ShardProcess:
+    """Starts serve-shard; with ``wait``, returns once the leader serves (raises
+    AssertionError with its output otherwise)."""
     metrics_port = free_port() if metrics else None
-    proc = subprocess.Popen(shard_command(model_dir, *flags, port=port, metrics_port=metrics_port),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env={**os.environ, **(env or {})})
-    lines: list[str] = []
-    ready, found = threading.Event(), {}
-    threading.Thread(target=_pump, args=(proc, lines, ready, found), daemon=True).start()
-    shard = ShardProcess(proc, "", metrics_port, lines)
-    if not wait:
-        return shard
-    if not ready.wait(timeout) or not found:
-        proc.kill()
-        raise AssertionError(f"serve-shard did not become ready within {timeout}s:\n{''.join(lines)[-4000:]}")
-    shard.address = f"127.0.0.1:{found['port']}"
-    return shard
-
-
-def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return proc.returncode
-        time.sleep(0.1)
-    raise AssertionError(f"process {proc.pid} still running after {timeout}s")
+    cmd = shard_command(model_dir, *flags, port=port, metrics_port=metrics_port)
+    try:
+        p = start("serve-shard", cmd, READY, timeout=timeout, env=env, wait=wait)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
+    return ShardProcess(p, metrics_port)
 
 
 @dataclass
