@@ -120,3 +120,40 @@ def demo_model(arch: str = "llama", size: str = "small") -> Path:
     from kubeshard_shard.demo_model import cached_demo_model
 
     return cached_demo_model(CACHE / "demo-models", arch=arch, size=size, seed=0)
+
+
+def grpc_request(ids: list[int], new_tokens: int):
+    from kubeshard_proto import pb
+
+    return pb.GenerateRequest(request_id="bench", input_ids=ids, sampling=pb.SamplingParameters(),
+                              stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True))
+
+
+async def grpc_workload(address: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Over gRPC, greedy, EOS ignored: a warm-up, batch-1 decode time per token (one
+    request alone), then every prompt sent at once; output tokens/s of the latter."""
+    import grpc
+
+    from kubeshard_proto import pb_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        async for _ in stub.Generate(grpc_request(prompts[0], 4)):
+            pass
+        stamps = []
+        async for _ in stub.Generate(grpc_request(prompts[1], new_tokens)):
+            stamps.append(time.perf_counter())
+        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+        async def one(p):
+            n = 0
+            async for _ in stub.Generate(grpc_request(p, new_tokens)):
+                n += 1
+            return n
+
+        import asyncio
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - started
+    return {"tok_s": sum(counts) / wall, "wall_s": wall, "tpot_1_ms": tpot * 1000}

@@ -21,13 +21,11 @@ import json
 import random
 import time
 
-import grpc
 import httpx
 import torch
 
-from bench.common import Proc, demo_model, free_port, kubeshard, machine, peak_rss_bytes, percentile, \
-    self_peak_rss, write_results
-from kubeshard_proto import pb, pb_grpc
+from bench.common import Proc, demo_model, free_port, grpc_workload, kubeshard, machine, peak_rss_bytes, \
+    percentile, self_peak_rss, write_results
 
 N_REQUESTS, PROMPT, NEW = 64, 128, 128
 VLLM = {"offline_tok_s": 816, "seq_tok_s": 48, "batched_tok_s": 259, "ttft_1_ms": 67, "tpot_1_ms": 17.4,
@@ -55,35 +53,6 @@ def hf_batched(model, ids: list[list[int]]) -> float:
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False, pad_token_id=0)
     return (out.shape[0] * (out.shape[1] - x.shape[1])) / (time.perf_counter() - started)
-
-
-def grpc_request(p: list[int], n: int = NEW) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id="bench", input_ids=p, sampling=pb.SamplingParameters(),
-                              stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
-
-
-async def grpc_run(address: str, ids: list[list[int]]) -> dict:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.TextGenerationStub(channel)
-        # warm-up
-        async for _ in stub.Generate(grpc_request(ids[0], 8)):
-            pass
-        # batch-1 decode time per token
-        stamps = []
-        async for _ in stub.Generate(grpc_request(ids[1])):
-            stamps.append(time.perf_counter())
-        tpot_1 = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-
-        async def one(p):
-            n = 0
-            async for _ in stub.Generate(grpc_request(p)):
-                n += 1
-            return n
-
-        started = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in ids))
-        wall = time.perf_counter() - started
-    return {"tok_s": sum(counts) / wall, "wall_s": wall, "tpot_1_ms": tpot_1 * 1000}
 
 
 def copy_bandwidth() -> float:
@@ -161,7 +130,7 @@ def main() -> None:
                             "--metrics-port", "0", "--kv-cache-memory", "1GiB"))
     try:
         server.wait_for("kubeshard shard ready", 600)
-        grpc_res = asyncio.run(grpc_run(f"127.0.0.1:{port}", ids))
+        grpc_res = asyncio.run(grpc_workload(f"127.0.0.1:{port}", ids, NEW))
         grpc_res["peak_rss_bytes"] = peak_rss_bytes(server.proc.pid)
     finally:
         server.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import time
 
 import orjson
 import psutil

@@ -14,42 +14,12 @@ import argparse
 import asyncio
 import random
 import re
-import time
 import urllib.request
 
-import grpc
-
-from bench.common import Proc, demo_model, free_port, kubeshard, machine, peak_rss_bytes, write_results
-from kubeshard_proto import pb, pb_grpc
+from bench.common import Proc, demo_model, free_port, grpc_workload, kubeshard, machine, peak_rss_bytes, \
+    write_results
 
 REQUESTS, PROMPT, NEW = 64, 128, 64
-
-
-def request(ids, n):
-    return pb.GenerateRequest(request_id="bench", input_ids=ids, sampling=pb.SamplingParameters(),
-                              stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
-
-
-async def workload(address: str, prompts: list[list[int]]) -> dict:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.TextGenerationStub(channel)
-        async for _ in stub.Generate(request(prompts[0], 4)):
-            pass
-        stamps = []
-        async for _ in stub.Generate(request(prompts[1], NEW)):
-            stamps.append(time.perf_counter())
-        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-
-        async def one(p):
-            n = 0
-            async for _ in stub.Generate(request(p, NEW)):
-                n += 1
-            return n
-
-        started = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - started
-    return {"tok_s": sum(counts) / wall, "tpot_1_ms": tpot * 1000}
 
 
 def scrape(port: int, name: str) -> float:
@@ -71,7 +41,7 @@ def run_config(model_dir, strategy: str, shards: int, device: str, dtype: str, p
     procs.insert(0, leader)
     try:
         leader.wait_for("kubeshard shard ready", 900)
-        result = asyncio.run(workload(f"127.0.0.1:{port}", prompts))
+        result = asyncio.run(grpc_workload(f"127.0.0.1:{port}", prompts, NEW))
         step = scrape(metrics, "kubeshard_engine_step_seconds_sum")
         comm = scrape(metrics, "kubeshard_group_comm_seconds_total")
         result["comm_share"] = comm / step if step else 0.0

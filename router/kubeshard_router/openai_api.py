@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -17,6 +16,7 @@ from kubeshard_router.cache import CacheControl
 from kubeshard_router.dispatch import RequestContext
 from kubeshard_router.errors import RouterError
 from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
+from kubeshard_router.intake import take_in
 from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrimmer, chat_logprob,
                                             trim_stop, usage)
 from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIPlan,
@@ -141,38 +141,14 @@ def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPl
 
 
 async def _serve(request: Request, chat: bool) -> Response:
-    state = get_state(request)
     route = "/v1/chat/completions" if chat else "/v1/completions"
-    model_label = "-"
-    try:
-        key = state.authenticate(request)
-        body = await state.read_body(request)
-        t0 = time.perf_counter()
-        req: Union[ChatCompletionRequest, CompletionRequest] = parse_body(
-            body, ChatCompletionRequest if chat else CompletionRequest)
-        model = state.resolve(req.model)
-        model_label = request.state.kubeshard_model = model.name
-        tokenizer, limits = await state.prepared(model)
-        ctx = state.new_context(request, model.name)
-        t1 = time.perf_counter()
-        plan = (plan_chat(req, tokenizer, limits) if chat  # type: ignore[arg-type]
-                else plan_completion(req, tokenizer, limits))  # type: ignore[arg-type]
-        ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
-        ctx.prompt_tokens = plan.prompt_tokens
-        bucket = await state.check_rate(key, request, plan.prompt_tokens + plan.engine.max_new_tokens)
-    except RouterError as exc:
-        state.metrics.tgi_request_count.inc((model_label,))
-        state.metrics.tgi_request_failure.inc((model_label, exc.error_type))
-        raise
-    control = CacheControl(request.headers.get("cache-control"))
-
-    def finish(error_type: Optional[str], started: bool) -> None:
-        state.generation.record(model.name, ctx, error_type)
-        state.refund(bucket, key, plan.engine.max_new_tokens - ctx.generated_tokens)
-        if started or error_type is None:
-            state.count(model.name, route, 200)
-        elif error_type == "cancelled":
-            state.count(model.name, route, 499)
+    req, intake = await take_in(
+        request, route,
+        parse=lambda body: parse_body(body, ChatCompletionRequest if chat else CompletionRequest),
+        model_name=lambda req: req.model,
+        plan=lambda req, tokenizer, limits: (plan_chat if chat else plan_completion)(req, tokenizer, limits))
+    state, model, ctx, plan, control, finish = (intake.state, intake.model, intake.ctx, intake.plan,
+                                                intake.control, intake.finish)
 
     if req.stream:
         return EventStreamResponse(
@@ -181,15 +157,7 @@ async def _serve(request: Request, chat: bool) -> Response:
             headers={"x-request-id": ctx.request_id, "x-kubeshard-model": model.name},
             late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
             on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
-    try:
-        tokens = await state.generation.collect(model, plan.engine, ctx, control)
-    except RouterError as exc:
-        finish(exc.error_type, False)
-        raise
-    except asyncio.CancelledError:
-        finish("cancelled", False)
-        raise
-    finish(None, True)
+    tokens = await intake.collect()
     return ORJSONResponse(_response(chat, model, ctx, plan, tokens),
                           headers={"x-request-id": ctx.request_id, "x-kubeshard-cache": ctx.cache,
                                    "x-kubeshard-model": model.name})

@@ -3,7 +3,6 @@ the same under ``/models/{name}/``, and ``/metrics``."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import AsyncIterator, Optional
@@ -19,6 +18,7 @@ from kubeshard_router.cache import CacheControl
 from kubeshard_router.dispatch import RequestContext
 from kubeshard_router.errors import RouterError
 from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
+from kubeshard_router.intake import take_in
 from kubeshard_router.sse import EventStreamResponse, sse_event
 from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest, TgiPlan, plan_tgi
 from kubeshard_router.validation import parse_body
@@ -126,38 +126,18 @@ async def _events(request: Request, model: ModelState, req: GenerateRequest, pla
 
 async def _generate(request: Request, model_name: Optional[str], stream: Optional[bool],
                     route: str) -> Response:
-    state = get_state(request)
-    model_label = model_name or "-"
-    try:
-        key = state.authenticate(request)
-        body = await state.read_body(request)
-        t0 = time.perf_counter()
-        req = parse_body(body, CompatGenerateRequest if stream is None else GenerateRequest)
-        if stream is None:
-            stream = bool(req.stream)  # type: ignore[attr-defined]
-        model = state.resolve(model_name)
-        model_label = request.state.kubeshard_model = model.name
-        tokenizer, limits = await state.prepared(model)
-        ctx = state.new_context(request, model.name)
-        t1 = time.perf_counter()
-        plan = plan_tgi(req, tokenizer, limits, stream=stream)
-        ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
-        ctx.prompt_tokens = plan.prompt_tokens
-        bucket = await state.check_rate(key, request, plan.prompt_tokens + plan.engine.max_new_tokens)
-    except RouterError as exc:
-        state.metrics.tgi_request_count.inc((model_label,))
-        state.metrics.tgi_request_failure.inc((model_label, exc.error_type))
-        raise
-    control = CacheControl(request.headers.get("cache-control"))
+    def streaming(req) -> bool:
+        return stream if stream is not None else bool(req.stream)  # the compat route reads the body
 
-    def finish(error_type: Optional[str], started: bool) -> None:
-        state.generation.record(model.name, ctx, error_type)
-        state.refund(bucket, key, plan.engine.max_new_tokens - ctx.generated_tokens)
-        if started or error_type is None:
-            state.count(model.name, route, 200)
-        elif error_type == "cancelled":
-            state.count(model.name, route, 499)  # the client left before the first token
-
+    req, intake = await take_in(
+        request, route,
+        parse=lambda body: parse_body(body, CompatGenerateRequest if stream is None else GenerateRequest),
+        model_name=lambda req: model_name,
+        plan=lambda req, tokenizer, limits: plan_tgi(req, tokenizer, limits, stream=streaming(req)),
+        label=model_name or "-")
+    state, model, ctx, plan, control, finish = (intake.state, intake.model, intake.ctx, intake.plan,
+                                                intake.control, intake.finish)
+    stream = streaming(req)
     if stream:
         headers = {"x-compute-type": model.info.device_type if model.info else "unknown",
                    "x-request-id": ctx.request_id, "x-kubeshard-model": model.name}
@@ -167,15 +147,7 @@ async def _generate(request: Request, model_name: Optional[str], stream: Optiona
             headers=headers,
             late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
             on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
-    try:
-        tokens = await state.generation.collect(model, plan.engine, ctx, control)
-    except RouterError as exc:
-        finish(exc.error_type, False)
-        raise
-    except asyncio.CancelledError:
-        finish("cancelled", False)
-        raise
-    finish(None, True)
+    tokens = await intake.collect()
     text = "".join(t.text for t in tokens if not t.special)
     answer: dict = {"generated_text": req.inputs + text if plan.return_full_text else text}
     if plan.details:

@@ -8,7 +8,6 @@ subcommands that need them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys

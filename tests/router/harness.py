@@ -4,9 +4,7 @@ StubBackend test doubles served from the same thread's event loop."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
-from dataclasses import replace
 from typing import Any, Coroutine, Optional
 
 import uvicorn

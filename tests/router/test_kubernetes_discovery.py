@@ -3,8 +3,6 @@ the router following a real API server (the e2e local control plane) without res
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -108,7 +106,7 @@ endpoints:
 
 @pytest.mark.e2e
 def test_router_follows_inference_services_and_endpoint_slices(kube, make_router):
-    from kubernetes import client, config as kconfig
+    from kubernetes import config as kconfig
 
     from kubeshard_router.backends.kubernetes import KubernetesSource
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kubeshard_shard.distributed.comm import Comm
 from kubeshard_shard.models.config import ModelConfig
-from kubeshard_shard.models.layers import Embedding, Linear, LMHead, MergedLinear, _copy_into, linear
+from kubeshard_shard.models.layers import Embedding, Linear, MergedLinear, _copy_into, linear
 
 
 class ShardingError(ValueError):
@@ -114,18 +114,13 @@ class VocabParallelEmbedding(Embedding):
         return self.comm.all_reduce(out)
 
 
-class ParallelLMHead(LMHead):
-    def __init__(self, vocab: int, dim: int, rank: int, world: int, comm: Comm) -> None:
-        super().__init__(vocab // world, dim)
-        self.start = rank * (vocab // world)
-        self.comm = comm
+class ParallelLMHead(VocabParallelEmbedding):
+    """The same vocabulary slice as the embedding (and its weight when they are tied),
+    projecting instead of looking up; the leader gathers the slices' logits."""
 
-    def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
-        _copy_into(param, tensor_slice[self.start:self.start + self.num_embeddings], name)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         logits = self.comm.gather_last_dim(linear(hidden, self.weight))
-        # followers get their local slice back; only the leader samples
+        # followers get an empty result; only the leader samples
         return logits if logits is not None else hidden.new_empty((hidden.shape[0], 0))
 
 
