@@ -24,6 +24,7 @@ $(STAMP): $(PACKAGES) requirements-dev.txt constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt \
 		-e ./proto -e ./shard_server -e ./router -e ./operator
+	$(PY) -m kubeshard_shard.engine.kernels
 	touch $@
 
 install: $(STAMP) ## create .venv with the kubeshard CLI and every part (editable)

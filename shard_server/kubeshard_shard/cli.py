@@ -142,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--master-port", type=port_number, help="rendezvous port (or MASTER_PORT; default 29500)")
     g.add_argument("--headless-service", help="in a StatefulSet: the group's headless Service; rank comes from "
                                               "POD_NAME's ordinal and the leader is <statefulset>-0.<service>")
-    g.add_argument("--dist-timeout", type=float, default=60.0,
-                   help="seconds to wait for peers (rendezvous and every collective)")
+    g.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds to wait for peers while the group forms and loads (a slow rank may "
+                        "still be pulling its weights); serving-time collectives time out after 20 s")
     g.add_argument("--offload", choices=["cpu"], help="zero3 on CUDA: keep partitions in pinned host memory")
 
     p = sub.add_parser("generate", help="send one request to a model server over gRPC and print the text")

@@ -26,6 +26,7 @@ from kubeshard_shard.distributed.comm import Comm, GroupError, check_agreement, 
 from kubeshard_shard.distributed.step_channel import Command, StepChannel, empty_inputs
 from kubeshard_shard.distributed.tensor_parallel import apply_tensor_parallel, check_divisible, local_kv_heads
 from kubeshard_shard.distributed.zero3 import Zero3
+from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.factory import ServedModel, build_served_model, resolve_device
 from kubeshard_shard.models.config import CheckpointError, load_model_config
 from kubeshard_shard.server.grpc_service import GroupInfo
@@ -54,6 +55,8 @@ def load_member(config: EngineConfig, group: DistributedConfig) -> Member:
         device = torch.device("cuda", group.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     model_config = load_model_config(config.model_dir)  # fails fast, before joining
+    if device.type == "cpu":
+        kernels.load()  # a first build takes a while: not inside a collective's timeout
     if group.strategy == "tensor":
         check_divisible(model_config, group.world_size)
     comm = init_group(group, device)

@@ -148,3 +148,8 @@ def load() -> bool:
         return False
     paged_decode = module.paged_decode
     return True
+
+
+if __name__ == "__main__":  # `make install` builds the kernel once, ahead of the first server
+    logging.basicConfig(level=logging.INFO)
+    print("paged decode kernel:", "ready" if load() else "unavailable (the torch fallback serves)")
