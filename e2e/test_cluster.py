@@ -434,35 +434,36 @@ def test_make_cluster_then_cluster_down_leaves_nothing_behind(cluster: Cluster):
     assert not local.leftovers(), "the session cluster's teardown left things behind"
 
     up = make("cluster")
-    kubeconfig = up.stdout.strip().splitlines()[-1]
-    assert kubeconfig.endswith(".cache/cluster/kubeconfig"), up.stdout
-    nodes = cluster.kubectl("--kubeconfig", kubeconfig, "get", "nodes", "-o", "name").stdout
-    assert "node/kubeshard-node-0" in nodes
-    apply(cluster, "default", """
-        apiVersion: v1
-        kind: Pod
-        metadata: {name: lifecycle-probe}
-        spec:
-          containers:
-          - name: sleep
-            image: busybox:1.36
-            command: [sleep, "3600"]
-            volumeMounts: [{name: scratch, mountPath: /kubeshard-e2e-scratch}]
-          volumes: [{name: scratch, emptyDir: {medium: Memory}}]
-    """)
-    wait_for(lambda: is_ready(get(cluster, "default", "pod", "lifecycle-probe")), timeout=60,
-             what="a pod running before cluster-down")
-    expected = ("kube-apiserver process", "pod sandbox process", "container process", "bridge ksbr0",
-                "table ip kube-proxy", "mountpoint /kubeshard-e2e-scratch", "/dev/shm/kubeshard")
+    try:  # a failed check must not leave this cluster running
+        kubeconfig = up.stdout.strip().splitlines()[-1]
+        assert kubeconfig.endswith(".cache/cluster/kubeconfig"), up.stdout
+        nodes = cluster.kubectl("--kubeconfig", kubeconfig, "get", "nodes", "-o", "name").stdout
+        assert "node/kubeshard-node-0" in nodes
+        apply(cluster, "default", """
+            apiVersion: v1
+            kind: Pod
+            metadata: {name: lifecycle-probe}
+            spec:
+              containers:
+              - name: sleep
+                image: busybox:1.36
+                command: [sleep, "3600"]
+                volumeMounts: [{name: scratch, mountPath: /kubeshard-e2e-scratch}]
+              volumes: [{name: scratch, emptyDir: {medium: Memory}}]
+        """)
+        wait_for(lambda: is_ready(get(cluster, "default", "pod", "lifecycle-probe")), timeout=60,
+                 what="a pod running before cluster-down")
+        expected = ("kube-apiserver process", "pod sandbox process", "container process", "bridge ksbr0",
+                    "table ip kube-proxy", "mountpoint /kubeshard-e2e-scratch", "/dev/shm/kubeshard")
 
-    def sees_everything() -> list[str] | None:
-        running = LocalCluster().leftovers()
-        return running if all(any(w in r for r in running) for w in expected) else None
+        def sees_everything() -> list[str] | None:
+            running = LocalCluster().leftovers()
+            return running if all(any(w in r for r in running) for w in expected) else None
 
-    # The check must see a running cluster's parts, or "nothing left" would prove nothing.
-    wait_for(sees_everything, timeout=15, what=f"the leftover check to see all of {expected}")
-
-    make("cluster-down")
+        # The check must see a running cluster's parts, or "nothing left" would prove nothing.
+        wait_for(sees_everything, timeout=15, what=f"the leftover check to see all of {expected}")
+    finally:
+        make("cluster-down")
     seen: list[str] = []
 
     def clean() -> bool:
@@ -480,7 +481,9 @@ def make(target: str) -> subprocess.CompletedProcess:
     """Run a Makefile target as a developer would (install is assumed done)."""
     from e2e.cluster.config import REPO_ROOT
 
-    proc = subprocess.run(["make", "-o", "install", target], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=300)
+    # --no-print-directory: under `make test` this is a nested make, which would otherwise
+    # print "Entering/Leaving directory" lines around the output
+    proc = subprocess.run(["make", "--no-print-directory", "-o", "install", target], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"make {target} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc

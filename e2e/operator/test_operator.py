@@ -57,9 +57,13 @@ def test_operator_and_router_run_with_the_charts_rbac(cluster, kubeshard):
 
 
 def test_only_one_operator_replica_acts(cluster, kubeshard):
-    peering = kubectl_json(cluster, "get", "clusterkopfpeering", f"{kubeshard.fullname}-operator")
-    peers = peering.get("status") or {}
-    assert len(peers) == 2, peers
+    def both_peers():
+        # each replica announces itself in the peering object soon after it starts
+        peering = kubectl_json(cluster, "get", "clusterkopfpeering", f"{kubeshard.fullname}-operator")
+        status = peering.get("status") or {}
+        return status if len(status) == 2 else None
+
+    peers = wait_for(both_peers, 60, what="both operator replicas in the peering object")
     assert len({p["priority"] for p in peers.values()}) == 2  # no tie: one wins
 
     def paused_replicas():
