@@ -46,7 +46,7 @@ def test_cached_prefix_gives_same_tokens_and_skips_prefill(demo_model):
     assert [o.token_id for o in outs] == hf_greedy(model, second, 16)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ARCHES)
 def test_forced_preemption(demo_model, arch):
     model = demo_model(arch)
     # 24 blocks of 16 tokens cannot hold 16 sequences of up to ~120 tokens at once.
