@@ -21,19 +21,18 @@ from bench.common import RESULTS, demo_model, machine
 
 
 def identity_unsharded(arch: str) -> tuple[int, int]:
-    from tests.shard_server.conftest import build_engine, greedy, random_prompts, run_to_completion
-    from transformers import AutoModelForCausalLM
+    from tests.shard_server.conftest import build_engine, greedy, hf_model, random_prompts, run_to_completion
 
     model_dir = demo_model(arch, "tiny")
     served = build_engine(model_dir, kv="256MiB", device="cuda", dtype="float32")
     prompts = random_prompts(16, 1000, (1, 200), seed=3)
     outs = run_to_completion(served.engine, [(p, greedy(20)) for p in prompts])
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    hf = hf_model(str(model_dir)).cuda()
     same = 0
     for p, o in zip(prompts, outs):
         x = torch.tensor([p], device="cuda")
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, min_new_tokens=20,
-                          do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
+                          pad_token_id=0)[0, len(p):].tolist()
         same += ref == [t.token_id for t in o]
     return same, len(prompts)
 

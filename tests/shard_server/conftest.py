@@ -40,17 +40,23 @@ def greedy(n: int, **kw):
 
 @functools.lru_cache(maxsize=4)
 def hf_model(model_dir: str):
+    """transformers' model, with no end-of-sequence id: `generate` then neither stops at
+    EOS nor suppresses it, which is what the engine's ignore_eos does (EOS is emitted and
+    generation goes on)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    return model
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     model = hf_model(str(model_dir))
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
