@@ -11,11 +11,9 @@ take back one rank, so the group restarts as a whole.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -30,7 +28,7 @@ from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.factory import ServedModel, build_served_model, resolve_device
 from kubeshard_shard.models.config import CheckpointError, load_model_config
 from kubeshard_shard.server.grpc_service import GroupInfo
-from kubeshard_shard.server.serve import ListenConfig, install_signal_handlers, open_grpc_server, serve_leader
+from kubeshard_shard.server.serve import HealthServer, ListenConfig, install_signal_handlers, run_leader
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +101,14 @@ def leader_execute(member: Member):
     return execute
 
 
-def follow(member: Member) -> int:
-    """A follower's loop: execute each step the leader sends until it says stop."""
+def follow(member: Member, should_stop) -> int:
+    """A follower's loop: execute each step the leader sends until it says stop (or,
+    after SIGTERM, until the drain deadline passes without the leader's stop)."""
     runner, comm, channel = member.served.engine.runner, member.comm, member.channel
     while True:
+        if should_stop():
+            log.warning("rank %d: the leader did not stop the group in time; exiting", comm.rank)
+            return 0
         command, inputs = channel.receive()
         if command is Command.STOP:
             log.info("rank %d: the leader stopped the group", comm.rank)
@@ -128,6 +130,9 @@ def run_group_member(config: EngineConfig, group: DistributedConfig, listen: Lis
             code = _run_leader(config, group, listen)
         else:
             code = _run_follower(config, group, listen)
+    except GroupError as exc:
+        log.error("%s", exc)
+        code = 1
     except CheckpointError as exc:
         print(f"kubeshard: cannot load the model: {exc}", file=sys.stderr)
         code = 1
@@ -150,62 +155,31 @@ def _run_leader(config: EngineConfig, group: DistributedConfig, listen: ListenCo
         return member.served
 
     try:
-        return asyncio.run(serve_leader(config.model_id, config.revision,
-                                        GroupInfo(group.strategy, group.world_size), listen, load))
+        return run_leader(config.model_id, config.revision, GroupInfo(group.strategy, group.world_size), listen,
+                          load)
     except GroupError as exc:
         log.error("%s", exc)
         return 1
 
 
 def _run_follower(config: EngineConfig, group: DistributedConfig, listen: ListenConfig) -> int:
-    """Serves grpc.health.v1 (for the pod's probes) while loading and following."""
-    result: dict[str, int] = {}
-    loaded = threading.Event()
-
-    def work() -> None:
-        try:
-            member = load_member(config, group)
-            loaded.set()
-            result["code"] = follow(member)
-        except GroupError as exc:
-            log.error("%s", exc)
-            result["code"] = 1
-        except CheckpointError as exc:
-            print(f"kubeshard: cannot load the model: {exc}", file=sys.stderr)
-            result["code"] = 1
-        except ValueError as exc:
-            print(f"kubeshard serve-shard: error: {exc}", file=sys.stderr)
-            result["code"] = 2
-        except Exception as exc:  # a failed collective: the group is broken
-            log.error("rank %d: shard group failed: %s", group.rank, exc)
-            result["code"] = 1
-        finally:
-            loaded.set()
-
-    async def main() -> int:
-        stop = asyncio.Event()
-        install_signal_handlers(stop)
-        server, health, port = await open_grpc_server(listen, None)
-        log.info("rank %d health on %s:%d", group.rank, listen.host, port)
-        thread = threading.Thread(target=work, name="follower", daemon=True)
-        thread.start()
-        while not loaded.is_set():
-            await asyncio.sleep(0.1)
-        if "code" not in result:
-            await health.set(True)
-            print(f"kubeshard shard ready: rank {group.rank} of {group.world_size} following "
-                  f"{group.master_addr}:{group.master_port}", flush=True)
-        deadline = None
-        while thread.is_alive():
-            if stop.is_set() and deadline is None:
-                deadline = time.monotonic() + listen.drain_seconds  # the leader drains, then stops us
-            if deadline is not None and time.monotonic() > deadline:
-                log.warning("rank %d: leader did not stop the group in time; exiting", group.rank)
-                result.setdefault("code", 0)
-                break
-            await asyncio.sleep(0.1)
-        await health.set(False)
-        await server.stop(grace=1)
-        return result.get("code", 0)
-
-    return asyncio.run(main())
+    """Loads and follows in the main thread (the compute path; see engine.async_engine)
+    while a second thread serves grpc.health.v1 for the pod's probes."""
+    stop_at: list[float] = []
+    install_signal_handlers(lambda: stop_at or stop_at.append(time.monotonic() + listen.drain_seconds))
+    health = HealthServer(listen)
+    health.start()
+    log.info("rank %d health on %s:%d", group.rank, listen.host, health.port)
+    try:
+        member = load_member(config, group)
+        health.set(True)
+        print(f"kubeshard shard ready: rank {group.rank} of {group.world_size} following "
+              f"{group.master_addr}:{group.master_port}", flush=True)
+        return follow(member, lambda: bool(stop_at) and time.monotonic() > stop_at[0])
+    except (GroupError, CheckpointError, ValueError):
+        raise
+    except Exception as exc:  # a failed collective: the group is broken
+        log.error("rank %d: shard group failed: %s", group.rank, exc)
+        return 1
+    finally:
+        health.close()

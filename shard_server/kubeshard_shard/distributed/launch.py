@@ -7,13 +7,12 @@ group: rank 0 serves gRPC and drives the steps, the other ranks follow it
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from kubeshard_shard.distributed.rendezvous import resolve_group
 from kubeshard_shard.engine.factory import build_served_model
 from kubeshard_shard.server.grpc_service import GroupInfo
-from kubeshard_shard.server.serve import ListenConfig, serve_leader
+from kubeshard_shard.server.serve import ListenConfig, run_leader
 
 log = logging.getLogger(__name__)
 
@@ -33,5 +32,5 @@ def run_shard(args) -> int:
         from kubeshard_shard.distributed.group import run_group_member
 
         return run_group_member(config, group, listen_config(args))
-    return asyncio.run(serve_leader(config.model_id, config.revision, GroupInfo(group.strategy, 1),
-                                    listen_config(args), lambda: build_served_model(config)))
+    return run_leader(config.model_id, config.revision, GroupInfo(group.strategy, 1), listen_config(args),
+                      lambda: build_served_model(config))

@@ -1,9 +1,15 @@
-"""Runs the engine loop in a background thread and streams outputs to asyncio callers.
+"""Runs the engine loop in one thread and streams outputs to asyncio callers in another.
 
 The loop thread owns the engine: callers never touch it, they post commands (add,
 abort) to a queue and wake the loop. Each step's outputs cross back to the event loop
 in one ``call_soon_threadsafe`` call. A cancelled or abandoned stream posts an abort,
 which the loop applies before its next step, freeing the request's KV blocks at once.
+
+The model server runs the loop in the process's main thread (``run``) and asyncio in a
+second one: torch's CPU kernels ran about 15% slower when called from a secondary
+thread than from the main one here (OpenMP team and allocator arena per thread), and
+the engine loop is the hot path. ``start`` runs the loop in a thread of its own, for
+callers that only have an event loop (tests, tools).
 """
 
 from __future__ import annotations
@@ -65,19 +71,33 @@ class AsyncEngine:
         self._in_flight = 0                       # owned by the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._running = False
         self._stopping = False
         self.error: BaseException | None = None
         self.stats = engine.stats()
 
     # ---- lifecycle ---------------------------------------------------------------
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that receives outputs; call before ``run`` or ``generate``."""
+        self._loop = loop
+        self._running = True
+
+    def run(self) -> None:
+        """Runs the engine loop in the calling thread until ``stop``."""
+        try:
+            self._run()
+        finally:
+            self._running = False
+
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        """Binds the running event loop and runs the engine loop in a thread of its own."""
+        self.bind(asyncio.get_running_loop())
+        self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._running and self.error is None
 
     @property
     def in_flight(self) -> int:

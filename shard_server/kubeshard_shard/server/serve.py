@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import signal
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -73,24 +75,56 @@ async def open_grpc_server(listen: ListenConfig, service: pb_grpc.TextGeneration
     return server, reporter, port
 
 
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
+def install_signal_handlers(on_signal: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call ``on_signal`` (in the main thread)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: on_signal())
+
+
+def run_leader(model_id: str, revision: str, group: GroupInfo, listen: ListenConfig,
+               load: Callable[[], ServedModel]) -> int:
+    """Serves one model replica from this process until SIGTERM; returns the exit code.
+
+    The engine loop runs in this (the main) thread, gRPC and asyncio in a second one
+    (see ``engine.async_engine`` for why). ``load`` runs in a third while the health
+    port already answers NOT_SERVING."""
+    handoff: queue.Queue = queue.Queue()
+    shared: dict = {}
+
+    def on_signal() -> None:
+        loop, stop = shared.get("loop"), shared.get("stop")
+        if loop is not None and stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+
+    def server_thread() -> None:
         try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+            shared["code"] = asyncio.run(_serve(model_id, revision, group, listen, load, handoff, shared))
+        except BaseException as exc:  # handed to the main thread, which re-raises it
+            shared["error"] = exc
+        finally:
+            handoff.put(None)
+
+    install_signal_handlers(on_signal)
+    thread = threading.Thread(target=server_thread, name="grpc-server", daemon=True)
+    thread.start()
+    while True:  # a timeout, so that signals are handled while we wait
+        try:
+            engine = handoff.get(timeout=0.5)
+            break
+        except queue.Empty:
+            continue
+    if engine is not None:
+        engine.run()
+    thread.join()
+    if "error" in shared:
+        raise shared["error"]
+    return shared.get("code", 1)
 
 
-async def serve_leader(model_id: str, revision: str, group: GroupInfo, listen: ListenConfig,
-                       load: Callable[[], ServedModel],
-                       watch: Callable[[AsyncEngine], Awaitable[None]] | None = None,
-                       on_ready: Callable[[int], None] | None = None) -> int:
-    """Serves one model replica from this process until SIGTERM. ``load`` runs in a
-    thread (the health port answers meanwhile); ``watch`` may fail the engine (a dead
-    peer rank). Returns the process exit code."""
+async def _serve(model_id: str, revision: str, group: GroupInfo, listen: ListenConfig,
+                 load: Callable[[], ServedModel], handoff: queue.Queue, shared: dict) -> int:
     stop = asyncio.Event()
-    install_signal_handlers(stop)
+    shared["loop"], shared["stop"] = asyncio.get_running_loop(), stop
     service = TextGenerationService(model_id, revision, group)
     server, health_reporter, port = await open_grpc_server(listen, service)
     log.info("gRPC listening on %s:%d (NOT_SERVING while loading)", listen.host, port)
@@ -103,21 +137,18 @@ async def serve_leader(model_id: str, revision: str, group: GroupInfo, listen: L
     metrics = EngineMetrics(model_id, lambda: engine.stats)
     engine = AsyncEngine(served.engine, served.config.max_concurrent_requests, on_step=metrics.on_step,
                          on_idle=served.on_idle, on_stop=served.on_stop)
-    engine.start()
+    engine.bind(asyncio.get_running_loop())
+    handoff.put(engine)  # the main thread runs the engine loop from here on
     service.attach(served, engine, metrics)
     if listen.metrics_port is not None:
         metrics.serve(listen.metrics_host, listen.metrics_port)
     await health_reporter.set(True)
     print(f"kubeshard shard ready: model {model_id} on {listen.host}:{port}", flush=True)
-    if on_ready is not None:
-        on_ready(port)
 
     exit_code = 0
-    watcher = asyncio.create_task(watch(engine)) if watch is not None else None
     health_task = asyncio.create_task(_track_health(engine, health_reporter))
     stop_task = asyncio.create_task(stop.wait())
-    waiters = [stop_task, health_task] + ([watcher] if watcher else [])
-    done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait([stop_task, health_task], return_when=asyncio.FIRST_COMPLETED)
     if stop_task in done:
         log.info("stopping: draining %d in-flight requests (up to %.0fs)", engine.in_flight, listen.drain_seconds)
         await health_reporter.set(False)
@@ -126,11 +157,53 @@ async def serve_leader(model_id: str, revision: str, group: GroupInfo, listen: L
         exit_code = 1
         log.error("engine failed: %s", engine.error)
         await health_reporter.set(False)
-    for task in waiters:
+    for task in (stop_task, health_task):
         task.cancel()
     engine.stop()
     await server.stop(grace=2)
     return exit_code
+
+
+class HealthServer:
+    """grpc.health.v1 alone, on its own thread (a follower rank's probes), while the main
+    thread loads and follows its leader."""
+
+    def __init__(self, listen: ListenConfig) -> None:
+        self.listen = listen
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed: asyncio.Event | None = None
+        self._reporter: HealthReporter | None = None
+        self.port: int | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="health", daemon=True)
+
+    async def _main(self) -> None:
+        self._loop, self._closed = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            server, self._reporter, self.port = await open_grpc_server(self.listen, None)
+        except BaseException as exc:
+            self.error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._closed.wait()
+        await self._reporter.set(False)
+        await server.stop(grace=1)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def set(self, serving: bool) -> None:
+        asyncio.run_coroutine_threadsafe(self._reporter.set(serving), self._loop).result(timeout=10)
+
+    def close(self) -> None:
+        if self._loop is not None and self._closed is not None:
+            self._loop.call_soon_threadsafe(self._closed.set)
+        self._thread.join(timeout=10)
 
 
 async def _track_health(engine: AsyncEngine, reporter: HealthReporter) -> None:
