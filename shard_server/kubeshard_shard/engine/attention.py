@@ -100,7 +100,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: flo
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len: int,
                      block_size: int, scale: float) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence -> [B, Hq, D]."""
-    if kernels.paged_decode is not None and q.device.type == "cpu" and q.dtype == torch.float32:
+    if kernels.supports(q):
         out = torch.empty_like(q)
         kernels.paged_decode(out, q.contiguous(), k_cache, v_cache, block_tables, context_lens,
                              block_size, scale)
