@@ -4,14 +4,17 @@ Before: authenticate, read and parse the body, resolve the model, wait until its
 tokenizer and limits are known, plan the engine request, and take the rate-limit cost —
 a refusal at any point counts as a failed request of that model and re-raises. After:
 record the outcome, refund the tokens the request did not use, count the status.
+Streaming: an error before the first token re-raises (the response becomes a plain HTTP
+error); after it, the stream ends with the API's error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 
@@ -21,6 +24,8 @@ from kubeshard_router.cache import CacheControl
 from kubeshard_router.dispatch import RequestContext
 from kubeshard_router.errors import RouterError
 from kubeshard_router.http import get_state
+
+log = logging.getLogger("kubeshard.router.http")
 
 
 @dataclass
@@ -45,6 +50,37 @@ class Intake:
             state.count(name, self.route, 200)
         elif error_type == "cancelled":
             state.count(name, self.route, 499)  # the client left before the first token
+
+    async def events(self, render: Callable[[AsyncIterator[pb.Token]], AsyncIterator[bytes]],
+                     error_event: Callable[[RouterError], bytes]) -> AsyncIterator[bytes]:
+        """Streams the generation: ``render`` turns its tokens into SSE events, and
+        ``error_event`` renders an error that comes after the first token."""
+        received = 0
+
+        async def tokens() -> AsyncIterator[pb.Token]:
+            nonlocal received
+            async for t in self.state.generation.stream(self.model, self.plan.engine, self.ctx, self.control):
+                received += 1
+                yield t
+
+        error_type: Optional[str] = "cancelled"
+        try:
+            async for chunk in render(tokens()):
+                yield chunk
+            error_type = None
+        except RouterError as exc:
+            error_type = exc.error_type
+            if not received:
+                raise  # nothing sent yet: the response becomes a plain HTTP error
+            yield error_event(exc)
+        except Exception as exc:  # a router bug mid-stream: end with an event, never a torn stream
+            log.exception("request %s: stream failed", self.ctx.request_id)
+            error_type = "internal"
+            if not received:
+                raise
+            yield error_event(RouterError(f"internal router error ({type(exc).__name__})"))
+        finally:
+            self.finish(error_type, received > 0)
 
     async def collect(self) -> list[pb.Token]:
         """Generates the whole answer (non-streaming routes)."""

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -12,9 +11,7 @@ from fastapi.responses import Response
 from kubeshard_proto import pb
 from kubeshard_router import __version__
 from kubeshard_router.backends.registry import ModelState
-from kubeshard_router.cache import CacheControl
 from kubeshard_router.dispatch import RequestContext
-from kubeshard_router.errors import RouterError
 from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
 from kubeshard_router.intake import take_in
 from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrimmer, chat_logprob,
@@ -23,8 +20,6 @@ from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionReq
                                             plan_chat, plan_completion)
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
 from kubeshard_router.validation import parse_body
-
-log = logging.getLogger("kubeshard.router.http")
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -65,53 +60,35 @@ class _Shapes:
         return lp.as_dict()
 
 
-async def _events(request: Request, model: ModelState, plan: OpenAIPlan, ctx: RequestContext,
-                  control: CacheControl, chat: bool, finish: Callable[[Optional[str], bool], None]
-                  ) -> AsyncIterator[bytes]:
-    state = get_state(request)
+async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: OpenAIPlan, ctx: RequestContext,
+                  chat: bool) -> AsyncIterator[bytes]:
     shapes = _Shapes(chat, model, ctx, plan)
     trimmer = StopTrimmer(plan.stop)
     n = 0
-    error_type: Optional[str] = "cancelled"
-    try:
-        async for t in state.generation.stream(model, plan.engine, ctx, control):
-            n += 1
-            out = b""
-            if n == 1:
-                if chat:
-                    out += shapes.chunk("", None, None)
-                elif plan.echo:
-                    out += shapes.chunk(plan.prompt_text, None, None)
-            text = "" if t.special else t.text
-            logprobs = shapes.token_logprobs(t)
-            if t.HasField("finish"):
-                stopped = t.finish.reason == pb.FINISH_REASON_STOP_SEQUENCE
-                out += shapes.chunk(trimmer.finish(text, stopped), FINISH.get(t.finish.reason, "stop"),
-                                    logprobs)
-                if plan.include_usage:
-                    out += sse_event({**shapes.base, "choices": [],
-                                      "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, t.finish)})
-                out += SSE_DONE
-            else:
-                emit = trimmer.feed(text)
-                if emit or logprobs is not None:
-                    out += shapes.chunk(emit, None, logprobs)
-            if out:
-                yield out
-        error_type = None
-    except RouterError as exc:
-        error_type = exc.error_type
-        if n == 0:
-            raise
-        yield sse_event(exc.openai_body())
-    except Exception as exc:  # a router bug mid-stream: end with an event, never a torn stream
-        log.exception("request %s: stream failed", ctx.request_id)
-        error_type = "internal"
-        if n == 0:
-            raise
-        yield sse_event(RouterError(f"internal router error ({type(exc).__name__})").openai_body())
-    finally:
-        finish(error_type, n > 0)
+    async for t in tokens:
+        n += 1
+        out = b""
+        if n == 1:
+            if chat:
+                out += shapes.chunk("", None, None)
+            elif plan.echo:
+                out += shapes.chunk(plan.prompt_text, None, None)
+        text = "" if t.special else t.text
+        logprobs = shapes.token_logprobs(t)
+        if t.HasField("finish"):
+            stopped = t.finish.reason == pb.FINISH_REASON_STOP_SEQUENCE
+            out += shapes.chunk(trimmer.finish(text, stopped), FINISH.get(t.finish.reason, "stop"),
+                                logprobs)
+            if plan.include_usage:
+                out += sse_event({**shapes.base, "choices": [],
+                                  "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, t.finish)})
+            out += SSE_DONE
+        else:
+            emit = trimmer.feed(text)
+            if emit or logprobs is not None:
+                out += shapes.chunk(emit, None, logprobs)
+        if out:
+            yield out
 
 
 def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPlan,
@@ -147,12 +124,12 @@ async def _serve(request: Request, chat: bool) -> Response:
         parse=lambda body: parse_body(body, ChatCompletionRequest if chat else CompletionRequest),
         model_name=lambda req: req.model,
         plan=lambda req, tokenizer, limits: (plan_chat if chat else plan_completion)(req, tokenizer, limits))
-    state, model, ctx, plan, control, finish = (intake.state, intake.model, intake.ctx, intake.plan,
-                                                intake.control, intake.finish)
+    state, model, ctx, plan = intake.state, intake.model, intake.ctx, intake.plan
 
     if req.stream:
         return EventStreamResponse(
-            _events(request, model, plan, ctx, control, chat, finish),
+            intake.events(lambda tokens: _events(tokens, model, plan, ctx, chat),
+                          lambda exc: sse_event(exc.openai_body())),
             render_error=lambda exc: error_response(exc, "openai", state, model.name, route),
             headers={"x-request-id": ctx.request_id, "x-kubeshard-model": model.name},
             late_headers=lambda: {"x-kubeshard-cache": ctx.cache},

@@ -3,7 +3,6 @@ the same under ``/models/{name}/``, and ``/metrics``."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import AsyncIterator, Optional
 
@@ -14,16 +13,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kubeshard_proto import pb
 from kubeshard_router import __version__
 from kubeshard_router.backends.registry import ModelState
-from kubeshard_router.cache import CacheControl
 from kubeshard_router.dispatch import RequestContext
-from kubeshard_router.errors import RouterError
 from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
 from kubeshard_router.intake import take_in
 from kubeshard_router.sse import EventStreamResponse, sse_event
 from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest, TgiPlan, plan_tgi
 from kubeshard_router.validation import parse_body
-
-log = logging.getLogger("kubeshard.router.http")
 
 router = APIRouter(tags=["TGI"])
 
@@ -83,45 +78,28 @@ def timing_headers(ctx: RequestContext, model: ModelState, compute_chars: int) -
     }
 
 
-async def _events(request: Request, model: ModelState, req: GenerateRequest, plan: TgiPlan,
-                  ctx: RequestContext, control: CacheControl, finish) -> AsyncIterator[bytes]:
-    state = get_state(request)
+async def _events(tokens: AsyncIterator[pb.Token], req: GenerateRequest, plan: TgiPlan,
+                  ctx: RequestContext) -> AsyncIterator[bytes]:
     parts: list[str] = []
     index = 0
     top_n = plan.engine.top_n_tokens
-    error_type: Optional[str] = "cancelled"
-    try:
-        async for t in state.generation.stream(model, plan.engine, ctx, control):
-            index += 1
-            if not t.special:
-                parts.append(t.text)
-            event = {"index": index, "token": _token(t),
-                     "top_tokens": [_top(a) for a in t.top_tokens] if top_n else [],
-                     "generated_text": None, "details": None}
-            if t.HasField("finish"):
-                text = "".join(parts)
-                event["generated_text"] = req.inputs + text if plan.return_full_text else text
-                if plan.details:
-                    f = t.finish
-                    event["details"] = {"finish_reason": FINISH_REASONS.get(f.reason, "length"),
-                                        "generated_tokens": f.generated_tokens or index,
-                                        "seed": f.seed if f.HasField("seed") else None,
-                                        "input_length": ctx.prompt_tokens}
-            yield sse_event(event)
-        error_type = None
-    except RouterError as exc:
-        error_type = exc.error_type
-        if index == 0:
-            raise  # nothing sent yet: the response becomes a plain HTTP error
-        yield sse_event(exc.tgi_body())
-    except Exception as exc:  # a router bug mid-stream: end with an event, never a torn stream
-        log.exception("request %s: stream failed", ctx.request_id)
-        error_type = "internal"
-        if index == 0:
-            raise
-        yield sse_event(RouterError(f"internal router error ({type(exc).__name__})").tgi_body())
-    finally:
-        finish(error_type, index > 0)
+    async for t in tokens:
+        index += 1
+        if not t.special:
+            parts.append(t.text)
+        event = {"index": index, "token": _token(t),
+                 "top_tokens": [_top(a) for a in t.top_tokens] if top_n else [],
+                 "generated_text": None, "details": None}
+        if t.HasField("finish"):
+            text = "".join(parts)
+            event["generated_text"] = req.inputs + text if plan.return_full_text else text
+            if plan.details:
+                f = t.finish
+                event["details"] = {"finish_reason": FINISH_REASONS.get(f.reason, "length"),
+                                    "generated_tokens": f.generated_tokens or index,
+                                    "seed": f.seed if f.HasField("seed") else None,
+                                    "input_length": ctx.prompt_tokens}
+        yield sse_event(event)
 
 
 async def _generate(request: Request, model_name: Optional[str], stream: Optional[bool],
@@ -135,14 +113,14 @@ async def _generate(request: Request, model_name: Optional[str], stream: Optiona
         model_name=lambda req: model_name,
         plan=lambda req, tokenizer, limits: plan_tgi(req, tokenizer, limits, stream=streaming(req)),
         label=model_name or "-")
-    state, model, ctx, plan, control, finish = (intake.state, intake.model, intake.ctx, intake.plan,
-                                                intake.control, intake.finish)
+    state, model, ctx, plan = intake.state, intake.model, intake.ctx, intake.plan
     stream = streaming(req)
     if stream:
         headers = {"x-compute-type": model.info.device_type if model.info else "unknown",
                    "x-request-id": ctx.request_id, "x-kubeshard-model": model.name}
         return EventStreamResponse(
-            _events(request, model, req, plan, ctx, control, finish),
+            intake.events(lambda tokens: _events(tokens, req, plan, ctx),
+                          lambda exc: sse_event(exc.tgi_body())),
             render_error=lambda exc: error_response(exc, "tgi", state, model.name, route),
             headers=headers,
             late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
