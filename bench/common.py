@@ -1,27 +1,19 @@
-"""Helpers shared by the benchmarks: processes, ports, memory, result files."""
+"""Helpers shared by the benchmarks: memory, machine facts, workloads, result files.
+
+Processes and ports come from the tests' own helpers (``tests.support``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
-import re
-import socket
-import subprocess
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine() -> dict:
@@ -63,46 +55,6 @@ def percentile(values: list[float], p: float) -> float:
     k = (len(s) - 1) * p / 100
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-class Proc:
-    """A child process whose output is collected; ``wait_for`` waits for a line."""
-
-    def __init__(self, argv: list[str], env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_for(self, pattern: str, timeout: float = 600) -> re.Match:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while time.monotonic() < deadline:
-            while seen < len(self.lines):
-                m = rx.search(self.lines[seen])
-                seen += 1
-                if m:
-                    return m
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args[:4]} exited ({self.proc.returncode}):\n{''.join(self.lines)[-3000:]}")
-            time.sleep(0.05)
-        raise TimeoutError(f"no line matching {pattern!r} within {timeout}s:\n{''.join(self.lines)[-3000:]}")
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 def kubeshard(*args: str) -> list[str]:

@@ -25,8 +25,12 @@ import time
 import httpx
 import torch
 
-from bench.common import RESULTS, Proc, demo_model, free_port, grpc_workload, kubeshard, machine, peak_rss_bytes, \
+from bench.common import RESULTS, demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
     percentile, self_peak_rss, write_results
+from tests.router.processes import ROUTER_READY
+from tests.support.processes import start
+from tests.support.redis_server import free_port
+from tests.support.shard_process import READY as SHARD_READY
 
 N_REQUESTS, PROMPT, NEW = 64, 128, 128
 VLLM = {"offline_tok_s": 816, "seq_tok_s": 48, "batched_tok_s": 259, "ttft_1_ms": 67, "tpot_1_ms": 17.4,
@@ -150,10 +154,10 @@ def main() -> None:
 
     # (c) kubeshard over gRPC, first, on a quiet machine
     port = free_port()
-    server = Proc(kubeshard("serve-shard", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                            "--metrics-port", "0", "--kv-cache-memory", "1GiB"))
+    server = start("serve-shard", kubeshard("serve-shard", "--model", str(model_dir), "--host", "127.0.0.1",
+                                            "--port", str(port), "--metrics-port", "0", "--kv-cache-memory", "1GiB"),
+                   SHARD_READY, timeout=600)
     try:
-        server.wait_for("kubeshard shard ready", 600)
         grpc_res = asyncio.run(grpc_workload(f"127.0.0.1:{port}", ids, NEW, warm_prompts=prompts(8192, seed=1)))
         grpc_res["peak_rss_bytes"] = peak_rss_bytes(server.proc.pid)
     finally:
@@ -162,10 +166,9 @@ def main() -> None:
 
     # online through `kubeshard serve` (router + engine), no response cache
     http_port = free_port()
-    serve = Proc(kubeshard("serve", "--model", str(model_dir), "--port", str(http_port), "--no-redis",
-                           "--kv-cache-memory", "1GiB"))
+    serve = start("serve", kubeshard("serve", "--model", str(model_dir), "--port", str(http_port), "--no-redis",
+                                     "--kv-cache-memory", "1GiB"), ROUTER_READY, timeout=600)
     try:
-        serve.wait_for(r"kubeshard ready on http://", 600)
         results["online"] = asyncio.run(online(f"http://127.0.0.1:{http_port}", ignore_eos_texts(model_dir, ids),
                                                ignore_eos_texts(model_dir, prompts(8192, seed=2))))
     finally:

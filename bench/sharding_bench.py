@@ -16,8 +16,11 @@ import random
 import re
 import urllib.request
 
-from bench.common import Proc, demo_model, free_port, grpc_workload, kubeshard, machine, peak_rss_bytes, \
+from bench.common import demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
     write_results
+from tests.support.processes import start
+from tests.support.redis_server import free_port
+from tests.support.shard_process import READY as SHARD_READY
 
 REQUESTS, PROMPT, NEW = 64, 128, 64
 
@@ -43,13 +46,13 @@ def run_config(model_dir, strategy: str, shards: int, device: str, dtype: str, p
     common = ["--model", str(model_dir), "--host", "127.0.0.1", "--device", device, "--dtype", dtype,
               "--strategy", strategy, "--shards", str(shards), "--master-addr", "127.0.0.1",
               "--master-port", str(master), "--kv-cache-memory", "512MiB", "--num-threads", str(threads)]
-    procs = [Proc(kubeshard("serve-shard", *common, "--rank", str(r), "--port", "0", "--metrics-port", "0"))
+    procs = [start(f"rank {r}", kubeshard("serve-shard", *common, "--rank", str(r), "--port", "0",
+                                          "--metrics-port", "0"), SHARD_READY, wait=False)
              for r in range(1, shards)]
-    leader = Proc(kubeshard("serve-shard", *common, "--rank", "0", "--port", str(port),
-                            "--metrics-port", str(metrics)))
-    procs.insert(0, leader)
     try:
-        leader.wait_for("kubeshard shard ready", 900)
+        leader = start("rank 0", kubeshard("serve-shard", *common, "--rank", "0", "--port", str(port),
+                                           "--metrics-port", str(metrics)), SHARD_READY, timeout=900)
+        procs.insert(0, leader)
         result = asyncio.run(grpc_workload(f"127.0.0.1:{port}", prompts, NEW, warm_prompts=warm))
         step = scrape(metrics, "kubeshard_engine_step_seconds_sum")
         comm = scrape(metrics, "kubeshard_group_comm_seconds_total")
