@@ -30,12 +30,12 @@ import grpc
 import orjson
 import psutil
 
-from bench.router_load import DirectGRPC, RawHTTP, Sample, percentile, summary_ms
+from bench.common import RESULTS, percentile
+from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_proto import pb, pb_grpc
 from tests.router.processes import Proc, start, start_router, start_shard
 from tests.router.stub_backend import stub_tokenizer_json
 
-RESULTS = Path(__file__).parent / "results"
 STUB_READY = __import__("re").compile(r"stub backend on (?P<host>[^:\s]+):(?P<port>\d+)")
 PROMPT = "hello world, this is the router benchmark prompt"
 
@@ -157,9 +157,9 @@ async def _capacity(router: Proc, clients: int, tokens: int) -> dict:
     return {"clients": clients, "tokens_per_stream": tokens, "completed": len(samples), "errors": len(errors),
             "error_examples": errors[:5], "wall_s": wall, "router_rss_start_mib": rss0 / 2**20,
             "router_rss_peak_mib": peak["rss"] / 2**20, "router_peak_fds": peak["fds"],
-            "stream_total_p50_s": percentile([s.total for s in samples], 0.5),
-            "stream_total_p99_s": percentile([s.total for s in samples], 0.99),
-            "ttft_p99_s": percentile([s.ttft for s in samples], 0.99)}
+            "stream_total_p50_s": percentile([s.total for s in samples], 50),
+            "stream_total_p99_s": percentile([s.total for s in samples], 99),
+            "ttft_p99_s": percentile([s.ttft for s in samples], 99)}
 
 
 def bench_capacity(clients: int = 2000, tokens: int = 10, delay: float = 0.5) -> dict:
@@ -308,8 +308,8 @@ def bench_affinity(replicas: int = 4, systems: int = 8, suffixes: int = 40, kv: 
                          "block_queries": queries, "requests_per_replica_blocks": per_replica,
                          "errors": sum(1 for s in samples if not s.ok),
                          "mean_ttft_ms": sum(s.ttft for s in samples) / len(samples) * 1e3,
-                         "p50_ttft_ms": percentile([s.ttft for s in samples], 0.5) * 1e3,
-                         "p99_ttft_ms": percentile([s.ttft for s in samples], 0.99) * 1e3}
+                         "p50_ttft_ms": percentile([s.ttft for s in samples], 50) * 1e3,
+                         "p99_ttft_ms": percentile([s.ttft for s in samples], 99) * 1e3}
         finally:
             router.stop()
             for s in shards:

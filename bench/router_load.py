@@ -1,6 +1,6 @@
 """Load-generation helpers for the router benchmark: a minimal keep-alive HTTP/1.1 client
 (so the client's own cost stays small next to the router's), a direct gRPC client for the
-baseline, and percentile maths. Loopback only."""
+baseline, and latency summaries. Loopback only."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Optional
 
 from grpc import aio
 
+from bench.common import percentile
 from kubeshard_proto import pb, pb_grpc
 
 
@@ -118,19 +119,10 @@ class DirectGRPC:
         await self.channel.close()
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def summary_ms(samples: list[Sample]) -> dict:
     ttft = [s.ttft for s in samples]
     total = [s.total for s in samples]
     return {"n": len(samples), "errors": sum(1 for s in samples if not s.ok),
-            "ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
-            "total_p50_ms": percentile(total, 0.5) * 1e3, "total_p99_ms": percentile(total, 0.99) * 1e3,
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+            "total_p50_ms": percentile(total, 50) * 1e3, "total_p99_ms": percentile(total, 99) * 1e3,
             "total_mean_ms": sum(total) / max(1, len(total)) * 1e3}
