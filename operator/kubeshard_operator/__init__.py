@@ -13,9 +13,9 @@ Layout (one concept per module):
   cli.py        the `kubeshard-operator` entry point
 """
 
-GROUP = "kubeshard.io"
+API_GROUP = "kubeshard.io"
 VERSION = "v1alpha1"
 PLURAL = "inferenceservices"
 KIND = "InferenceService"
-API_VERSION = f"{GROUP}/{VERSION}"
+API_VERSION = f"{API_GROUP}/{VERSION}"
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from prometheus_client import Counter, Histogram
 
-from kubeshard_operator import GROUP, PLURAL, VERSION
+from kubeshard_operator import API_GROUP, PLURAL, VERSION
 from kubeshard_operator import naming as n
 from kubeshard_operator.cleanup import delete_model_keys, redact
 from kubeshard_operator.config import OperatorConfig
@@ -113,7 +113,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
              redact(cfg.redis_url) if cfg.redis_url else "-")
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
+@kopf.daemon(API_GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
 async def reconcile_loop(name: str, namespace: str, memo: kopf.Memo,
                          stopped: kopf.DaemonStopped, **_: Any) -> None:
     cfg: OperatorConfig = memo.config
@@ -153,7 +153,7 @@ async def _woken(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: floa
     return wake.is_set() and not stopped
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+@kopf.on.event(API_GROUP, VERSION, PLURAL, registry=registry)
 async def inference_service_changed(name: str, namespace: str, memo: kopf.Memo,
                                     **_: Any) -> None:
     memo.wakeups.wake(namespace, name)
@@ -166,7 +166,7 @@ async def child_changed(labels: dict, namespace: str, memo: kopf.Memo, **_: Any)
     memo.wakeups.wake(namespace, labels.get(n.LABEL_ISVC))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+@kopf.on.delete(API_GROUP, VERSION, PLURAL, registry=registry)
 def remove_redis_keys(name: str, namespace: str, spec: dict, body: Any, retry: int,
                       memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Children go with the garbage collector (owner references); the Redis keys are

@@ -13,20 +13,20 @@ from urllib.parse import quote
 
 from kubernetes import client as k8s
 
-from kubeshard_operator import GROUP, PLURAL, VERSION
+from kubeshard_operator import API_GROUP, PLURAL, VERSION
 from kubeshard_operator.naming import FIELD_MANAGER
 
 
 @dataclass(frozen=True)
 class Kind:
-    group: str  # "" for the core API
+    api_group: str  # "" for the core API
     version: str
     plural: str
 
     def path(self, namespace: str, name: Optional[str] = None,
              subresource: Optional[str] = None) -> str:
-        base = f"/api/{self.version}" if not self.group else \
-            f"/apis/{self.group}/{self.version}"
+        base = f"/api/{self.version}" if not self.api_group else \
+            f"/apis/{self.api_group}/{self.version}"
         path = f"{base}/namespaces/{quote(namespace)}/{self.plural}"
         if name is not None:
             path += f"/{quote(name)}"
@@ -41,7 +41,7 @@ KINDS: dict[str, Kind] = {
     "Pod": Kind("", "v1", "pods"),
     "PodDisruptionBudget": Kind("policy", "v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": Kind("autoscaling", "v2", "horizontalpodautoscalers"),
-    "InferenceService": Kind(GROUP, VERSION, PLURAL),
+    "InferenceService": Kind(API_GROUP, VERSION, PLURAL),
 }
 
 
