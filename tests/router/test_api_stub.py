@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
-
-def sse(text: str) -> list:
-    events = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+from tests.support.sse import sse
 
 
 def test_generate_returns_tgi_json_details_and_timing_headers(router):

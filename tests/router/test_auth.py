@@ -12,7 +12,7 @@ import pytest
 
 from kubeshard_router.auth import ApiKeys, parse_keys_text, parse_secret_data
 from kubeshard_router.errors import Unauthorized
-from tests.router.test_resilience_stub import wait_for
+from tests.support.waiting import wait_for
 
 ALICE = "sk-alice-0123456789abcdef"
 BOB = "sk-bob-fedcba9876543210"

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 
 from tests.router.processes import start_router, start_shard
 
@@ -106,11 +110,6 @@ def open_router(shard):
 
 
 def test_fuzzing_the_openapi_spec_finds_no_5xx(open_router):
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis.errors import Unsatisfiable
-    from schemathesis import GenerationMode
-
     schema = schemathesis.openapi.from_url(open_router.url + "/openapi.json")
     failures: list[str] = []
     statuses: dict[int, int] = {}

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.router.processes import Proc, start, start_router
-from tests.router.test_resilience_stub import wait_for
+from tests.support.waiting import wait_for
 from tests.support.redis_server import free_port
 
 STUB_READY = re.compile(r"stub backend on (?P<host>[^:\s]+):(?P<port>\d+)")

@@ -14,10 +14,12 @@ import httpx
 import openai
 import pytest
 import text_generation
+import transformers
 
 from tests.router.processes import start_router, start_serve, start_shard
-from tests.router.test_api_stub import sse
-from tests.router.test_resilience_stub import metric, wait_for
+from tests.support.metrics import metric
+from tests.support.sse import sse
+from tests.support.waiting import wait_for
 
 LIMITS = ["--max-input-tokens", "96", "--max-total-tokens", "160"]
 NO_CACHE = {"Cache-Control": "no-cache"}
@@ -106,7 +108,6 @@ def test_curl_streams_sse(serve):
 
 
 def test_same_greedy_text_on_all_four_endpoints(serve, demo_model):
-    transformers = pytest.importorskip("transformers")
     n = 24
     prompt = "The capital of France is"
     messages = [{"role": "user", "content": prompt}]

@@ -11,7 +11,7 @@ import pytest
 
 from kubeshard_router.backends.kubernetes import desired_models, slice_addresses
 from tests.router.stub_backend import StubBackend
-from tests.router.test_resilience_stub import wait_for
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 

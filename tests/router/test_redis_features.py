@@ -9,8 +9,10 @@ import httpx
 import redis
 
 from kubeshard_router.counters import read_load
-from tests.router.test_api_stub import sse
-from tests.router.test_resilience_stub import _stream_in_thread, metric, wait_for
+from tests.support.http import post_in_thread
+from tests.support.metrics import metric
+from tests.support.sse import sse
+from tests.support.waiting import wait_for
 
 GREEDY = {"inputs": "hello world", "parameters": {"max_new_tokens": 6, "details": True}}
 
@@ -125,8 +127,8 @@ def test_load_counters_are_published_per_router_and_summed(make_router, redis_ur
         h.stub().behaviour.token_delay_s = 0.1
     results: list = []
     body = {"inputs": "hi", "parameters": {"max_new_tokens": 30}}
-    threads = [_stream_in_thread(h1.url + "/generate_stream", body, results),
-               _stream_in_thread(h2.url + "/generate_stream", body, results)]
+    threads = [post_in_thread(h1.url + "/generate_stream", body, results),
+               post_in_thread(h2.url + "/generate_stream", body, results)]
     r = redis.Redis.from_url(redis_url)
 
     def total() -> tuple[int, int]:

@@ -5,30 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import httpx
 import pytest
 
-from tests.router.test_api_stub import sse
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-def metric(h, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(h.url + "/metrics").text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+from tests.support.http import post_in_thread
+from tests.support.metrics import metric
+from tests.support.sse import sse
+from tests.support.waiting import wait_for
 
 
 def test_failure_before_first_token_is_retried_on_another_replica(make_router):
@@ -124,24 +108,14 @@ def test_engine_overload_everywhere_is_a_429(make_router):
     assert r.status_code == 429 and r.json()["error_type"] == "overloaded" and "Retry-After" in r.headers
 
 
-def _stream_in_thread(url: str, body: dict, out: list) -> threading.Thread:
-    def run() -> None:
-        with httpx.Client(timeout=60) as c:
-            r = c.post(url, json=body)
-            out.append((r.status_code, r.text, dict(r.headers)))
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
 def test_queue_bound_answers_429_with_retry_after(make_router):
     h = make_router(stub_kwargs={"max_concurrent_requests": 1}, max_queue_per_model=1)
     h.stub().behaviour.token_delay_s = 0.05
     results: list = []
     body = {"inputs": "hi", "parameters": {"max_new_tokens": 20}}
-    running = _stream_in_thread(h.url + "/generate_stream", body, results)
+    running = post_in_thread(h.url + "/generate_stream", body, results)
     assert wait_for(lambda: h.stub().counters.active == 1)
-    queued = _stream_in_thread(h.url + "/generate_stream", body, results)
+    queued = post_in_thread(h.url + "/generate_stream", body, results)
     assert wait_for(lambda: h.state.registry.models["stub"].admission.queued == 1)
     r = httpx.post(h.url + "/generate_stream", json=body)
     assert r.status_code == 429
@@ -200,7 +174,7 @@ def test_requests_are_held_while_a_model_has_no_ready_replica(make_router):
     h.stub().behaviour.serving = False
     h.wait_ready("stub", 0)
     results: list = []
-    t = _stream_in_thread(h.url + "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, results)
+    t = post_in_thread(h.url + "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, results)
     assert wait_for(lambda: h.state.activator.waiting.get("stub") == 1)
     assert hook.calls == ["stub"]
     assert 'kubeshard_router_queued{model="stub"} 1.0' in httpx.get(h.url + "/metrics").text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 
 from kubeshard_router.tokenization import ChatTemplateError, ModelTokenizer
 
@@ -26,7 +27,6 @@ def load(path) -> ModelTokenizer:
 
 
 def test_encoding_matches_transformers(checkpoint):
-    transformers = pytest.importorskip("transformers")
     ref = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
     tok = load(checkpoint)
     for text in PROMPTS:
@@ -35,7 +35,6 @@ def test_encoding_matches_transformers(checkpoint):
 
 
 def test_chat_template_matches_transformers(checkpoint):
-    transformers = pytest.importorskip("transformers")
     ref = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
     tok = load(checkpoint)
     assert tok.has_chat_template
