@@ -54,21 +54,21 @@ class ModelSource:
             repo, _, revision = uri[len("hf://"):].partition("@")
             if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", repo):
                 raise SpecError(f"{where}: {uri!r} is not hf://ORG/NAME[@REVISION]")
-            return cls("hf", repo, "", revision or None)
+            return cls(kind="hf", location=repo, revision=revision or None)
         if uri.startswith("pvc://"):
             claim, _, path = uri[len("pvc://"):].partition("/")
             if not _DNS1123_SUBDOMAIN.fullmatch(claim):
                 raise SpecError(f"{where}: {uri!r} is not pvc://CLAIM[/PATH]")
             if ".." in path.split("/"):
                 raise SpecError(f"{where}: the path inside the claim may not contain '..'")
-            return cls("pvc", claim, path.strip("/"))
+            return cls(kind="pvc", location=claim, path=path.strip("/"))
         path = uri[len("file://"):] if uri.startswith("file://") else uri
         if not path.startswith("/"):
             raise SpecError(
                 f"{where}: {uri!r} must be hf://ORG/NAME[@REVISION], pvc://CLAIM/PATH, "
                 "file:///ABS/PATH or an absolute host path"
             )
-        return cls("host", path.rstrip("/") or "/")
+        return cls(kind="host", location=path.rstrip("/") or "/")
 
 
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -200,14 +200,15 @@ def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
     if token is not None:
         if not isinstance(token, Mapping) or not token.get("name"):
             raise SpecError("spec.model.tokenSecretRef.name is required")
-        token_ref = SecretKeyRef(str(token["name"]), str(token.get("key") or "token"))
-    return ModelSpec(source, name, revision or source.revision or "main", dtype, token_ref)
+        token_ref = SecretKeyRef(name=str(token["name"]), key=str(token.get("key") or "token"))
+    return ModelSpec(source=source, name=name, revision=revision or source.revision or "main",
+                     dtype=dtype, token_secret=token_ref)
 
 
 def _sharding(s: Mapping[str, Any]) -> Sharding:
     strategy = _enum(s, "strategy", "spec.sharding.strategy", STRATEGIES, "tensor")
     shards = _int(s, "shards", "spec.sharding.shards", default=1, minimum=1)
-    return Sharding(strategy, shards)
+    return Sharding(strategy=strategy, shards=shards)
 
 
 def _resources(r: Mapping[str, Any]) -> Resources:

@@ -7,9 +7,10 @@ H, OLD = "new", "old"
 
 def group(index, hash_=H, ready=True, shards=2, terminating=False, restarts=0, last=None,
           pod_restarts=0):
-    pods = tuple(PodView(f"g{index}-{r}", ready=ready, restarts=pod_restarts if r == 1 else 0)
-                 for r in range(shards))
-    return GroupView(index, hash_, shards, pods, terminating, restarts, last)
+    pods = tuple(PodView(name=f"g{index}-{r}", ready=ready,
+                         restarts=pod_restarts if r == 1 else 0) for r in range(shards))
+    return GroupView(index=index, template_hash=hash_, shards=shards, pods=pods,
+                     terminating=terminating, restarts=restarts, last_restart=last)
 
 
 def test_scale_up_creates_the_lowest_free_indexes():
@@ -80,7 +81,8 @@ def test_group_restart_after_a_shard_restarted_with_backoff():
     assert not needs_group_restart(recently, now=100, minimum=10, maximum=300)
     assert needs_group_restart(recently, now=95 + 20, minimum=10, maximum=300)
     assert not needs_group_restart(group(0), now=100, minimum=10, maximum=300)
-    single = GroupView(0, H, 1, (PodView("g0-0", ready=False, restarts=2),))
+    single = GroupView(index=0, template_hash=H, shards=1,
+                       pods=(PodView(name="g0-0", ready=False, restarts=2),))
     assert not needs_group_restart(single, now=100, minimum=10, maximum=300)
 
 

@@ -26,7 +26,8 @@ def test_defaults_fill_every_optional_field():
     ("/data/llama/", "host", "/data/llama", "", None),
 ])
 def test_model_sources(uri, kind, location, path, revision):
-    assert ModelSource.parse(uri) == ModelSource(kind, location, path, revision)
+    assert ModelSource.parse(uri) == ModelSource(kind=kind, location=location, path=path,
+                                                 revision=revision)
 
 
 def test_hf_revision_comes_from_the_uri():

@@ -3,13 +3,14 @@ from kubeshard_operator.status import Observed, compute_status, merge_conditions
 
 
 def group(index, ready=True, hash_="h", problem=None, running=True):
-    pods = tuple(PodView(f"p{index}-{r}", ready=ready, restarts=0, problem=problem,
+    pods = tuple(PodView(name=f"p{index}-{r}", ready=ready, restarts=0, problem=problem,
                          running=running) for r in range(2))
-    return GroupView(index, hash_, 2, pods)
+    return GroupView(index=index, template_hash=hash_, shards=2, pods=pods)
 
 
 def status(replicas, groups, error=None, plan=None):
-    obs = Observed(3, replicas, "h", groups, plan or Plan(), "http://r/models/m", error)
+    obs = Observed(generation=3, replicas=replicas, current_hash="h", groups=groups,
+                   plan=plan or Plan(), url="http://r/models/m", error=error)
     return compute_status(obs, "m", {}, "2026-01-01T00:00:00Z")
 
 
