@@ -167,8 +167,8 @@ def shard_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
     return out
 
 
-def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, shard container mounts, init containers)."""
+def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    """(volumes, shard container mounts)."""
     source = spec.model.source
     volumes: list[dict[str, Any]] = [
         # NCCL and torch's shared-memory transport need far more than the 64 MiB default.
@@ -179,7 +179,6 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[d
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    inits: list[dict[str, Any]] = []
     if source.kind == "host":
         volumes.append({"name": "model",
                         "hostPath": {"path": source.location, "type": "Directory"}})
@@ -191,7 +190,7 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[d
     else:
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODEL_ROOT, "readOnly": True})
-    return volumes, mounts, inits
+    return volumes, mounts
 
 
 def download_container(spec: InferenceServiceSpec, image: str, pull: str) -> dict[str, Any]:
@@ -223,9 +222,8 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
     group = n.group_name(spec.name, index)
     image = shard_image(spec, cfg)
     pull = spec.pod.image_pull_policy or cfg.image_pull_policy
-    volumes, mounts, inits = _volumes(spec)
-    if spec.model.source.kind == "hf":
-        inits.append(download_container(spec, image, pull))
+    volumes, mounts = _volumes(spec)
+    inits = [download_container(spec, image, pull)] if spec.model.source.kind == "hf" else []
     grpc_probe = {"grpc": {"port": n.GRPC_PORT}, "periodSeconds": PROBE_PERIOD,
                   "timeoutSeconds": 3}
     container = {

@@ -9,7 +9,7 @@ into pods must become a status condition naming the field, never a crash.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
 from kubernetes.utils import parse_quantity
@@ -83,8 +83,12 @@ class SecretKeyRef:
 @dataclass(frozen=True)
 class ModelSpec:
     source: ModelSource
-    # The name clients ask for (OpenAI `model`, the router's /models/{name}/ prefix) and
-    # the {model} part of the model's Redis keys.
+    # The engine's model id (default: metadata.name): the shard server's --model-id, which
+    # its Info answer reports (the router shows it as TGI `served_model_id` and OpenAI
+    # `root`) and its metrics carry as `model_name`. Clients do not ask for it: the router
+    # names the model after the InferenceService's metadata.name (OpenAI `model`, the
+    # /models/{name}/ prefix, the {model} part of its Redis keys). The finalizer removes
+    # the Redis keys under both names.
     name: str
     # The {revision} part of the Redis keys; for hf:// sources also what is downloaded.
     revision: str
@@ -158,7 +162,6 @@ class InferenceServiceSpec:
     autoscaling: Optional[Autoscaling]
     engine: Engine
     pod: PodOverrides
-    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -179,7 +182,6 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceS
         autoscaling=_autoscaling(spec.get("autoscaling")),
         engine=_engine(_obj(spec, "engine", "spec.engine")),
         pod=_pod(_obj(spec, "pod", "spec.pod")),
-        raw=spec,
     )
 
 
