@@ -1,13 +1,19 @@
 """kubeshard operator: reconciles InferenceService objects into sharded StatefulSet groups.
 
+Words: a *group* is one StatefulSet of `shards` pods (one process per shard, rank = pod
+ordinal) and serves one *replica* of the model; spec.replicas counts groups. The
+Kubernetes API group of the CRD is the *API group* (API_GROUP).
+
 Layout (one concept per module):
   spec.py       the typed, validated InferenceService spec (built once from the CRD dict)
   naming.py     names and labels of every child object
   builders.py   pure functions: spec -> manifests (StatefulSet, Services, PDB, HPA)
+  observe.py    one read of the children per pass: a Snapshot, and its groups as views
   rollout.py    pure group planning: scaling and surge rollouts, group restarts
-  status.py     pure: children -> status (phase, conditions, replicas)
+  children.py   pure: spec, snapshot and plan -> the steps to apply and delete
+  status.py     pure: what was observed and planned -> status (phase, conditions, replicas)
   kube.py       a small Kubernetes REST helper (server-side apply, list, delete)
-  reconciler.py one reconcile pass over the cluster, built from the pieces above
+  reconciler.py one reconcile pass: observe, plan, desired children, apply, report
   cleanup.py    the finalizer's Redis key removal
   handlers.py   thin kopf handlers
   cli.py        the `kubeshard-operator` entry point

@@ -85,7 +85,7 @@ def shard_image(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
     return cfg.shard_image_cuda if spec.resources.gpu > 0 else cfg.shard_image
 
 
-def shard_args(spec: InferenceServiceSpec, group: str) -> list[str]:
+def shard_args(spec: InferenceServiceSpec, headless_service: str) -> list[str]:
     """The `kubeshard serve-shard` command line. The rank comes from the pod name's
     ordinal (POD_NAME) and the leader is pod 0 behind the group's headless Service, so
     every pod of a group has the same template."""
@@ -102,7 +102,7 @@ def shard_args(spec: InferenceServiceSpec, group: str) -> list[str]:
         "--metrics-port", str(n.METRICS_PORT),
         "--strategy", spec.sharding.strategy,
         "--shards", str(spec.sharding.shards),
-        "--headless-service", group,
+        "--headless-service", headless_service,
         "--master-port", str(n.RENDEZVOUS_PORT),
         "--block-size", str(e.block_size),
     ]
@@ -219,7 +219,6 @@ def download_container(spec: InferenceServiceSpec, image: str, pull: str) -> dic
 
 
 def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) -> dict[str, Any]:
-    group = n.group_name(spec.name, index)
     image = shard_image(spec, cfg)
     pull = spec.pod.image_pull_policy or cfg.image_pull_policy
     volumes, mounts = _volumes(spec)
@@ -230,7 +229,7 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
         "name": "shard",
         "image": image,
         "imagePullPolicy": pull,
-        "args": shard_args(spec, group),
+        "args": shard_args(spec, n.group_name(spec.name, index)),
         "env": shard_env(spec, index),
         "ports": [
             {"name": "grpc", "containerPort": n.GRPC_PORT, "protocol": "TCP"},
@@ -302,7 +301,8 @@ def template_hash(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
 def build_statefulset(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int,
                       owner: Optional[Mapping[str, Any]] = None,
                       template_hash_value: Optional[str] = None) -> dict[str, Any]:
-    """One replica group: `shards` pods started together, ordinal = rank."""
+    """One group (one replica of the model): `shards` pods started together, ordinal =
+    rank."""
     name = n.group_name(spec.name, index)
     digest = template_hash_value or template_hash(spec, cfg)
     template = pod_template(spec, cfg, index)

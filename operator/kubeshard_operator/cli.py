@@ -26,13 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", "-n", action="append", default=[],
                    help="watch only this namespace (repeatable); default: all namespaces")
     p.add_argument("--peering", default="kubeshard", metavar="NAME",
-                   help="kopf peering object that elects one acting replica (default: "
+                   help="kopf peering object that elects one acting operator pod (default: "
                         "%(default)s; the chart creates it)")
     p.add_argument("--standalone", action="store_true",
-                   help="no peering: this replica always acts (one replica only)")
+                   help="no peering: this operator pod always acts (run one only)")
     p.add_argument("--priority", type=int, default=None,
                    help="peering priority; the highest acts. Default: random, so two "
-                        "replicas never tie")
+                        "operator pods never tie")
     p.add_argument("--redis-url", default=os.environ.get("KUBESHARD_REDIS_URL"),
                    help="Redis whose model keys the finalizer removes (default: "
                         "$KUBESHARD_REDIS_URL; unset: nothing to clean)")

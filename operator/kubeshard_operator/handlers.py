@@ -5,7 +5,7 @@
   `reconcile_interval` seconds. One loop per object means passes never race each other.
 - The finalizer removes the model's Redis keys (bounded; gives up with a Warning event).
 - Settings live in the startup handler; peering (KopfPeering objects installed by the
-  chart) pauses every replica but the highest-priority one.
+  chart) pauses every operator pod but the highest-priority one.
 """
 
 from __future__ import annotations

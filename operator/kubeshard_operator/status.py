@@ -31,7 +31,7 @@ class Observed:
     """Everything one reconcile learned, in the shape status needs."""
 
     generation: int
-    replicas: int
+    replicas: int  # groups wanted: spec.replicas
     current_hash: str
     groups: Sequence[GroupView]
     plan: Plan
