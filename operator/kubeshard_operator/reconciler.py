@@ -68,6 +68,8 @@ class Reconciler:
         current_hash = template_hash(spec, self.cfg)
         seen = observe(self.kube, namespace, name, body["metadata"]["uid"])
         seen = self._restart_broken_groups(body, seen, logger)
+        # The groups wanted are spec.replicas, which a person or the HPA sets through the
+        # /scale subresource; inputs of the snapshot beyond the children would enter here.
         plan = plan_groups(spec.replicas, current_hash, seen.groups)
         steps = desired_children(spec, self.cfg, owner_reference(body), seen, plan,
                                  current_hash)
