@@ -7,6 +7,7 @@ Kubernetes API group of the CRD is the *API group* (API_GROUP).
 Layout (one concept per module):
   spec.py       the typed, validated InferenceService spec (built once from the CRD dict)
   naming.py     names and labels of every child object
+  shard_pod.py  pure: spec -> the pod template of a group's shards
   builders.py   pure functions: spec -> manifests (StatefulSet, Services, PDB, HPA)
   observe.py    one read of the children per pass: a Snapshot, and its groups as views
   rollout.py    pure group planning: scaling and surge rollouts, group restarts

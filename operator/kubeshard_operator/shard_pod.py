@@ -1,0 +1,254 @@
+"""Pure: the pod template of a group's shards (every rank of a group runs the same one).
+
+The rank comes from the pod's ordinal at run time, so one template serves every pod of
+a group, and the template's hash (builders.template_hash) says which groups are stale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from kubernetes.utils import parse_quantity
+
+from kubeshard_operator import naming as n
+from kubeshard_operator.config import OperatorConfig
+from kubeshard_operator.spec import InferenceServiceSpec
+
+MODEL_ROOT = "/models"
+# Probe periods: readiness reacts within ~10 s; the startup probe's failure threshold is
+# derived from spec.pod.startupTimeoutSeconds so loading a large model is not killed.
+PROBE_PERIOD = 5
+# A restricted container: non-root, nothing writable but its volumes, no capabilities.
+CONTAINER_SECURITY = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "runAsGroup": 10001,
+    "fsGroup": 10001,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def model_dir(spec: InferenceServiceSpec) -> str:
+    """Where the shard server finds the weights inside the pod."""
+    source = spec.model.source
+    if source.kind == "pvc":
+        return f"{MODEL_ROOT}/pvc/{source.path}".rstrip("/")
+    return f"{MODEL_ROOT}/model"
+
+
+def shard_image(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
+    if spec.pod.image:
+        return spec.pod.image
+    return cfg.shard_image_cuda if spec.resources.gpu > 0 else cfg.shard_image
+
+
+def shard_args(spec: InferenceServiceSpec, headless_service: str) -> list[str]:
+    """The `kubeshard serve-shard` command line. The rank comes from the pod name's
+    ordinal (POD_NAME) and the leader is pod 0 behind the group's headless Service, so
+    every pod of a group has the same template."""
+    m, e = spec.model, spec.engine
+    args = [
+        "serve-shard",
+        "--model", model_dir(spec),
+        "--model-id", m.name,
+        "--revision", m.revision,
+        "--dtype", m.dtype,
+        "--device", "cuda" if spec.resources.gpu > 0 else "cpu",
+        "--host", "0.0.0.0",
+        "--port", str(n.GRPC_PORT),
+        "--metrics-port", str(n.METRICS_PORT),
+        "--strategy", spec.sharding.strategy,
+        "--shards", str(spec.sharding.shards),
+        "--headless-service", headless_service,
+        "--master-port", str(n.RENDEZVOUS_PORT),
+        "--block-size", str(e.block_size),
+    ]
+    optional = [
+        ("--max-input-tokens", e.max_input_tokens),
+        ("--max-total-tokens", e.max_total_tokens),
+        ("--max-batch-tokens", e.max_batch_tokens),
+        ("--max-concurrent-requests", e.max_concurrent_requests),
+        ("--kv-cache-memory", e.kv_cache_memory),
+    ]
+    for flag, value in optional:
+        if value is not None:
+            args += [flag, str(value)]
+    if not e.prefix_caching:
+        args.append("--no-prefix-caching")
+    threads = cpu_threads(spec)
+    if threads is not None:
+        args += ["--num-threads", str(threads)]
+    return args
+
+
+def cpu_threads(spec: InferenceServiceSpec) -> Optional[int]:
+    """torch's CPU threads for a CPU shard: its CPU request, rounded up. torch would
+    otherwise start one thread per core of the node and fight the other pods there."""
+    if spec.resources.gpu > 0 or spec.resources.cpu is None:
+        return None
+    return max(1, math.ceil(parse_quantity(spec.resources.cpu)))
+
+
+def shard_env(spec: InferenceServiceSpec, index: int) -> list[dict[str, Any]]:
+    ours: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE",
+         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "KUBESHARD_GROUP", "value": str(index)},
+        # Python writes no .pyc files into the read-only root filesystem.
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    # The user's variables win over ours, and a list with one entry per name keeps
+    # server-side apply happy (env is a map keyed by name).
+    user = {v["name"]: dict(v) for v in spec.pod.env}
+    merged = [user.pop(v["name"], v) for v in ours]
+    return merged + list(user.values())
+
+
+def shard_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    r = spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if r.cpu is not None:
+        requests["cpu"] = r.cpu  # no CPU limit: throttling a decode loop only adds latency
+    if r.memory is not None:
+        requests["memory"] = limits["memory"] = r.memory
+    if r.gpu > 0:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = r.gpu
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    """(volumes, shard container mounts)."""
+    source = spec.model.source
+    volumes: list[dict[str, Any]] = [
+        # NCCL and torch's shared-memory transport need far more than the 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if source.kind == "host":
+        volumes.append({"name": "model",
+                        "hostPath": {"path": source.location, "type": "Directory"}})
+        mounts.append({"name": "model", "mountPath": model_dir(spec), "readOnly": True})
+    elif source.kind == "pvc":
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": source.location, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{MODEL_ROOT}/pvc", "readOnly": True})
+    else:
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": MODEL_ROOT, "readOnly": True})
+    return volumes, mounts
+
+
+def download_container(spec: InferenceServiceSpec, image: str, pull: str) -> dict[str, Any]:
+    """Init container fetching an hf:// model into the pod's model volume."""
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": f"{MODEL_ROOT}/.hf-home"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    token = spec.model.token_secret
+    if token is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": token.name, "key": token.key}}})
+    return {
+        "name": "download",
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": ["hf", "download", spec.model.source.location,
+                    "--revision", spec.model.revision,
+                    "--local-dir", f"{MODEL_ROOT}/model"],
+        "env": env,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_ROOT},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": CONTAINER_SECURITY,
+    }
+
+
+def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) -> dict[str, Any]:
+    image = shard_image(spec, cfg)
+    pull = spec.pod.image_pull_policy or cfg.image_pull_policy
+    volumes, mounts = _volumes(spec)
+    inits = [download_container(spec, image, pull)] if spec.model.source.kind == "hf" else []
+    grpc_probe = {"grpc": {"port": n.GRPC_PORT}, "periodSeconds": PROBE_PERIOD,
+                  "timeoutSeconds": 3}
+    container = {
+        "name": "shard",
+        "image": image,
+        "imagePullPolicy": pull,
+        "args": shard_args(spec, n.group_name(spec.name, index)),
+        "env": shard_env(spec, index),
+        "ports": [
+            {"name": "grpc", "containerPort": n.GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": n.RENDEZVOUS_PORT, "protocol": "TCP"},
+        ],
+        "resources": shard_resources(spec),
+        "volumeMounts": mounts,
+        # Health stays NOT_SERVING until every rank of the group has loaded, so these
+        # probes mean "the model answers", not "the process is up".
+        "startupProbe": {**grpc_probe, "failureThreshold":
+                         max(1, math.ceil(spec.pod.startup_timeout_seconds / PROBE_PERIOD))},
+        "readinessProbe": {**grpc_probe, "failureThreshold": 2},
+        # Liveness only asks whether the process still listens: a loaded engine that is
+        # busy must not be killed for a slow health answer.
+        "livenessProbe": {"tcpSocket": {"port": n.GRPC_PORT}, "periodSeconds": 10,
+                          "timeoutSeconds": 3, "failureThreshold": 6},
+        "securityContext": CONTAINER_SECURITY,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": POD_SECURITY,
+        # Shards never call the Kubernetes API.
+        "automountServiceAccountToken": False,
+        # Every Service in the namespace would otherwise become environment variables.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.pod.termination_grace_period_seconds,
+    }
+    if inits:
+        pod_spec["initContainers"] = inits
+    tolerations = list(spec.pod.tolerations)
+    if spec.resources.gpu > 0 and not any(
+            t.get("key") == "nvidia.com/gpu" for t in tolerations):
+        # GPU nodes are commonly tainted so only GPU workloads land there.
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists",
+                            "effect": "NoSchedule"})
+    optional = {
+        "nodeSelector": dict(spec.pod.node_selector) or None,
+        "tolerations": tolerations or None,
+        "affinity": dict(spec.pod.affinity) if spec.pod.affinity else None,
+        "serviceAccountName": spec.pod.service_account_name,
+        "priorityClassName": spec.pod.priority_class_name,
+        "imagePullSecrets": [{"name": s} for s in spec.pod.image_pull_secrets] or None,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    labels = {
+        **dict(spec.pod.labels),
+        **n.common_labels(spec.name),
+        **n.group_selector(spec.name, index),
+        "app.kubernetes.io/component": n.COMPONENT_SHARD,
+    }
+    meta: dict[str, Any] = {"labels": labels}
+    if spec.pod.annotations:
+        meta["annotations"] = dict(spec.pod.annotations)
+    return {"metadata": meta, "spec": pod_spec}
