@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
-from kubeshard_router.backends.registry import ModelState
+from kubeshard_router.backends.model import ModelState
 from kubeshard_router.errors import NoBackend, Overloaded
 
 log = logging.getLogger("kubeshard.router.activation")
@@ -34,7 +34,9 @@ class LoggingScaleUpHook:
 
 class Activator:
     def __init__(self, hook: ScaleUpHook, *, max_waiting: int, timeout_s: float,
-                 hook_interval_s: float = 10.0) -> None:
+                 hook_interval_s: float = 10.0,
+                 on_scale_up: Optional[Callable[[str], None]] = None) -> None:
+        """``on_scale_up(model)`` is told of every hook call (the router counts them)."""
         self.hook = hook
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
@@ -42,7 +44,11 @@ class Activator:
         self.waiting: dict[str, int] = {}
         self._last_call: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.on_scale_up = None  # optional callback(model) for metrics
+        self._on_scale_up = on_scale_up
+
+    def held(self, model: str) -> int:
+        """Requests held now for ``model`` (counted as queued)."""
+        return self.waiting.get(model, 0)
 
     async def wait_ready(self, model: ModelState) -> float:
         """Returns at once when the model has a ready replica; else holds. Returns seconds held."""
@@ -71,8 +77,8 @@ class Activator:
         if now - self._last_call.get(name, -1e9) < self.hook_interval_s:
             return
         self._last_call[name] = now
-        if self.on_scale_up is not None:
-            self.on_scale_up(name)
+        if self._on_scale_up is not None:
+            self._on_scale_up(name)
         task = asyncio.create_task(self._run_hook(name))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -45,10 +45,16 @@ class Admission:
                 self.in_flight += 1
                 fut.set_result(None)
 
-    async def acquire(self) -> float:
-        """Takes a slot, waiting in the queue if needed; returns the seconds waited."""
+    def try_acquire(self) -> bool:
+        """Takes a slot if one is free and nobody queues ahead (no await: the fast path)."""
         if self.in_flight < self.capacity and not self._waiters:
             self.in_flight += 1
+            return True
+        return False
+
+    async def acquire(self) -> float:
+        """Takes a slot, waiting in the queue if needed; returns the seconds waited."""
+        if self.try_acquire():
             return 0.0
         if len(self._waiters) >= self.max_queue:
             raise Overloaded(f"Model `{self.model}` is overloaded: {self.in_flight} requests in flight "

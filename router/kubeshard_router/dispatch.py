@@ -1,9 +1,12 @@
 """One generation against the replicas of a model.
 
-``stream`` yields the engine's Token messages: it waits for a ready replica (activation),
-takes an admission slot (backpressure), picks a replica (prefix affinity), and retries
-on another replica while no token has been produced. After the first token a failure
-raises ``IncompleteGeneration`` (the SSE layer turns it into an error event). ``collect``
+Both ``stream`` and ``collect`` wait for a ready replica (activation), take an admission
+slot (backpressure), pick a replica (prefix affinity) and open a flight on it, retrying
+on another replica while no token has been produced; then one relay reads the flight's
+tokens up to the finish, cutting off a stalled or broken replica.
+
+``stream`` yields the tokens as they come: after the first token a failure raises
+``IncompleteGeneration`` (the SSE layer turns it into an error event). ``collect``
 gathers a whole answer for non-streaming requests; since the client has seen nothing,
 it may restart from scratch on another replica even after tokens arrived.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -25,16 +29,17 @@ from grpc import aio
 from kubeshard_proto import pb
 from kubeshard_router.activation import Activator
 from kubeshard_router.backends.grpc_client import RETRYABLE_CODES
-from kubeshard_router.backends.registry import ModelState, Registry, Replica
+from kubeshard_router.backends.model import ModelState, Replica
+from kubeshard_router.backends.registry import Registry
 from kubeshard_router.balancer import Balancer
 from kubeshard_router.config import RouterConfig
 from kubeshard_router.engine_request import EngineRequest
 from kubeshard_router.errors import (BackendFailed, IncompleteGeneration, Overloaded,
                                      ValidationFailed)
+from kubeshard_router.flight import Flight, StallWatchdog
 from kubeshard_router.metrics import RouterMetrics
 
 log = logging.getLogger("kubeshard.router.dispatch")
-EOF_ = aio.EOF
 
 
 @dataclass(slots=True)
@@ -56,48 +61,6 @@ class RequestContext:
     generated_tokens: int = 0
 
 
-class _Flight:
-    __slots__ = ("call", "last", "stalled")
-
-    def __init__(self, call: aio.UnaryStreamCall) -> None:
-        self.call = call
-        self.last = time.monotonic()
-        self.stalled = False
-
-
-def _stall_cancelled(flight: _Flight) -> bool:
-    """True when a CancelledError came from the watchdog cancelling the call (grpc.aio raises
-    CancelledError for locally cancelled calls), not from this task being cancelled."""
-    task = asyncio.current_task()
-    return flight.stalled and (task is None or task.cancelling() == 0)
-
-
-class StallWatchdog:
-    """Cancels calls that produced nothing for ``timeout_s`` (a hung leader behind a live
-    connection); one sweep per second for all calls, so tokens pay only a timestamp."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.flights: set[_Flight] = set()
-        self._task: Optional[asyncio.Task] = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._sweep(), name="stall watchdog")
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.timeout_s / 2))
-            limit = time.monotonic() - self.timeout_s
-            for flight in list(self.flights):
-                if flight.last < limit:
-                    flight.stalled = True
-                    flight.call.cancel()
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-
 class Dispatcher:
     def __init__(self, registry: Registry, balancer: Balancer, activator: Activator,
                  metrics: RouterMetrics, config: RouterConfig) -> None:
@@ -110,8 +73,7 @@ class Dispatcher:
 
     async def _admit(self, model: ModelState, ctx: RequestContext) -> None:
         held = await self.activator.wait_ready(model)
-        if model.admission.in_flight < model.admission.capacity and not model.admission.queued:
-            model.admission.in_flight += 1  # fast path of Admission.acquire
+        if model.admission.try_acquire():
             ctx.queue_s = held
             return
         ctx.queue_s = held + await model.admission.acquire()
@@ -125,9 +87,9 @@ class Dispatcher:
         return detail
 
     async def _open(self, model: ModelState, request: pb.GenerateRequest, key: Optional[int],
-                    tried: list[Replica], ctx: RequestContext, errors: Optional[list[str]] = None
-                    ) -> tuple[Replica, aio.UnaryStreamCall, pb.Token]:
-        errors = [] if errors is None else errors
+                    tried: list[Replica], ctx: RequestContext, errors: list[str]
+                    ) -> tuple[Flight, pb.Token]:
+        """A flight that produced its first token, on a replica not yet ``tried``."""
         exhausted = 0
         while len(tried) <= self.config.max_retries:
             replica = self.balancer.pick(model.ready_replicas, key, exclude=tried)
@@ -141,12 +103,11 @@ class Dispatcher:
                 self.metrics.retries.labels(model.name).inc()
             tried.append(replica)
             remaining = self.config.request_timeout_s - (time.perf_counter() - ctx.start)
-            replica.outstanding += 1
-            call = replica.client.generate(request, max(remaining, 0.001))
+            flight = Flight(replica, request, max(remaining, 0.001))
             try:
-                first = await call.read()
+                first = await flight.read()
             except aio.AioRpcError as exc:
-                replica.outstanding -= 1
+                flight.close()
                 code = exc.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     self.metrics.backend_errors.labels(model.name, code.name).inc()
@@ -158,34 +119,30 @@ class Dispatcher:
                     break
                 continue
             except BaseException:
-                replica.outstanding -= 1
-                call.cancel()
+                flight.close()
                 raise
-            if first is EOF_:
-                replica.outstanding -= 1
+            if first is None:
+                flight.close()
                 errors.append(f"{replica.address}: stream ended before the first token")
                 continue
             ctx.replica = replica.address
             ctx.first_token_at = time.perf_counter()
-            return replica, call, first
+            return flight, first
         if exhausted and exhausted == len(errors):
             raise Overloaded(f"Model `{model.name}` is overloaded: every replica tried is at its "
                              f"request limit", retry_after_s=model.admission.retry_after_s())
         raise BackendFailed(f"no replica of model `{model.name}` could start the request: "
                             + ("; ".join(errors) or "no ready replica"))
 
-    async def stream(self, model: ModelState, engine: EngineRequest,
+    async def _relay(self, model: ModelState, flight: Flight, first: pb.Token,
                      ctx: RequestContext) -> AsyncIterator[pb.Token]:
-        await self._admit(model, ctx)
-        replica: Optional[Replica] = None
-        flight: Optional[_Flight] = None
+        """The flight's tokens, ``first`` included, up to the one with the finish (which
+        fills in ``ctx``); raises ``IncompleteGeneration`` when the replica fails, stalls or
+        ends the stream before a finish. Closes the flight when done."""
+        address = flight.replica.address
+        self.watchdog.watch(flight)
         try:
-            request = engine.to_proto(ctx.request_id)
-            key = self.balancer.prefix_key(engine.input_ids, model.block_size)
-            replica, call, token = await self._open(model, request, key, [], ctx)
-            flight = _Flight(call)
-            self.watchdog.flights.add(flight)
-            count = 1
+            token, count = first, 1
             while True:
                 if token.HasField("finish"):
                     ctx.finish = token.finish
@@ -195,31 +152,40 @@ class Dispatcher:
                     return
                 yield token
                 try:
-                    token = await call.read()
+                    following = await flight.read()
                 except aio.AioRpcError as exc:
-                    ctx.generated_tokens = count
-                    raise IncompleteGeneration(
-                        f"replica {replica.address} failed after {count} tokens "
-                        f"({self._error(model, replica, exc)}); the generation is incomplete") from None
+                    raise IncompleteGeneration(f"replica {address} failed after {count} tokens "
+                                               f"({self._error(model, flight.replica, exc)})") from None
                 except asyncio.CancelledError:
-                    if not _stall_cancelled(flight):
+                    if not flight.cut_off():
                         raise
-                    ctx.generated_tokens = count
-                    raise IncompleteGeneration(
-                        f"replica {replica.address} stalled after {count} tokens (nothing for "
-                        f"{self.watchdog.timeout_s:g}s); the generation is incomplete") from None
-                if token is EOF_:
-                    ctx.generated_tokens = count
-                    raise IncompleteGeneration(f"replica {replica.address} ended the stream after "
-                                               f"{count} tokens without a finish")
-                flight.last = time.monotonic()
-                count += 1
+                    raise IncompleteGeneration(f"replica {address} stalled after {count} tokens "
+                                               f"(nothing for {self.watchdog.timeout_s:g}s)") from None
+                if following is None:
+                    raise IncompleteGeneration(f"replica {address} ended the stream after {count} "
+                                               f"tokens without a finish")
+                token, count = following, count + 1
         finally:
-            if flight is not None:
-                self.watchdog.flights.discard(flight)
-                flight.call.cancel()
-            if replica is not None:
-                replica.outstanding -= 1
+            self.watchdog.forget(flight)
+            flight.close()
+
+    async def stream(self, model: ModelState, engine: EngineRequest,
+                     ctx: RequestContext) -> AsyncIterator[pb.Token]:
+        await self._admit(model, ctx)
+        try:
+            request = engine.to_proto(ctx.request_id)
+            key = self.balancer.prefix_key(engine.input_ids, model.block_size)
+            flight, first = await self._open(model, request, key, [], ctx, [])
+            sent = 0
+            try:
+                async with aclosing(self._relay(model, flight, first, ctx)) as tokens:
+                    async for token in tokens:
+                        sent += 1
+                        yield token
+            except IncompleteGeneration as exc:
+                ctx.generated_tokens = sent
+                raise IncompleteGeneration(f"{exc.message}; the generation is incomplete") from None
+        finally:
             model.admission.release(time.perf_counter() - ctx.start)
 
     async def collect(self, model: ModelState, engine: EngineRequest,
@@ -231,40 +197,16 @@ class Dispatcher:
             request = engine.to_proto(ctx.request_id)
             key = self.balancer.prefix_key(engine.input_ids, model.block_size)
             while True:
-                replica, call, token = await self._open(model, request, key, tried, ctx, errors)
-                flight = _Flight(call)
-                self.watchdog.flights.add(flight)
-                tokens = [token]
+                flight, first = await self._open(model, request, key, tried, ctx, errors)
                 try:
-                    while not token.HasField("finish"):
-                        try:
-                            token = await call.read()
-                        except asyncio.CancelledError:
-                            if not _stall_cancelled(flight):
-                                raise
-                            raise IncompleteGeneration(f"replica {replica.address} stalled (nothing for "
-                                                       f"{self.watchdog.timeout_s:g}s)") from None
-                        if token is EOF_:
-                            raise IncompleteGeneration(f"replica {replica.address} ended the stream "
-                                                       f"without a finish")
-                        flight.last = time.monotonic()
-                        tokens.append(token)
-                    ctx.finish = token.finish
-                    ctx.generated_tokens = len(tokens)
-                    ctx.end_at = time.perf_counter()
-                    return tokens
-                except (aio.AioRpcError, IncompleteGeneration) as exc:
-                    why = exc.message if isinstance(exc, IncompleteGeneration) else (
-                        self._error(model, replica, exc))
-                    errors.append(f"{replica.address}: failed after {len(tokens)} tokens ({why})")
+                    async with aclosing(self._relay(model, flight, first, ctx)) as tokens:
+                        return [token async for token in tokens]
+                except IncompleteGeneration as exc:
+                    errors.append(exc.message)
                     if len(tried) > self.config.max_retries:
                         raise BackendFailed(f"no replica of model `{model.name}` completed the request: "
                                             + "; ".join(errors)) from None
-                    log.warning("request %s: replica %s failed after %d tokens (%s); restarting on "
-                                "another replica", ctx.request_id, replica.address, len(tokens), why)
-                finally:
-                    self.watchdog.flights.discard(flight)
-                    call.cancel()
-                    replica.outstanding -= 1
+                    log.warning("request %s: %s; restarting on another replica", ctx.request_id,
+                                exc.message)
         finally:
             model.admission.release(time.perf_counter() - ctx.start)

@@ -7,7 +7,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from kubeshard_proto import pb
-from kubeshard_router.backends.registry import ModelState
+from kubeshard_router.backends.model import ModelState
 from kubeshard_router.cache import CacheControl, ResponseCache, cache_key
 from kubeshard_router.dispatch import Dispatcher, RequestContext
 from kubeshard_router.engine_request import EngineRequest

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import Request
 
 from kubeshard_proto import pb
-from kubeshard_router.backends.registry import ModelState
+from kubeshard_router.backends.model import ModelState
 from kubeshard_router.cache import CacheControl
 from kubeshard_router.dispatch import RequestContext
 from kubeshard_router.errors import RouterError

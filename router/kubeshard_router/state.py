@@ -13,7 +13,8 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 
 from kubeshard_router.activation import Activator, LoggingScaleUpHook, ScaleUpHook
 from kubeshard_router.auth import ApiKey, ApiKeys, KeyFileWatcher, SecretKeyWatcher
-from kubeshard_router.backends.registry import ModelState, Registry
+from kubeshard_router.backends.model import ModelState
+from kubeshard_router.backends.registry import Registry
 from kubeshard_router.backends.source import BackendSource
 from kubeshard_router.balancer import Balancer
 from kubeshard_router.cache import ResponseCache
@@ -43,8 +44,8 @@ class RouterState:
         self.balancer = Balancer(mode=balance_mode, affinity_blocks=config.affinity_blocks,
                                  load_factor=config.load_factor)
         self.activator = Activator(hook or LoggingScaleUpHook(), max_waiting=config.max_queue_per_model,
-                                   timeout_s=config.activation_timeout_s)
-        self.activator.on_scale_up = lambda m: self.metrics.scale_up_calls.labels(m).inc()
+                                   timeout_s=config.activation_timeout_s,
+                                   on_scale_up=lambda m: self.metrics.scale_up_calls.labels(m).inc())
         self.dispatcher = Dispatcher(self.registry, self.balancer, self.activator, self.metrics, config)
         self.store: Optional[RedisStore] = None
         cache: Optional[ResponseCache] = None
@@ -192,7 +193,7 @@ class RouterState:
     def load_snapshot(self) -> Iterable[ModelLoad]:
         for model in self.registry.models.values():
             yield ModelLoad(model.name, model.revision, model.admission.in_flight,
-                            model.admission.queued + self.activator.waiting.get(model.name, 0))
+                            model.admission.queued + self.activator.held(model.name))
 
     def _gauges(self) -> Iterable[GaugeMetricFamily]:
         queue = GaugeMetricFamily("tgi_queue_size", "Requests waiting in the router queue", labels=["model"])
@@ -205,7 +206,7 @@ class RouterState:
         outstanding = GaugeMetricFamily("kubeshard_router_replica_outstanding", "Requests outstanding "
                                         "per replica", labels=["model", "replica"])
         for m in list(self.registry.models.values()):
-            waiting = self.activator.waiting.get(m.name, 0)
+            waiting = self.activator.held(m.name)
             queue.add_metric([m.name], m.admission.queued + waiting)
             batch.add_metric([m.name], m.admission.in_flight)
             in_flight.add_metric([m.name], m.admission.in_flight)

@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubeshard_proto import pb
 from kubeshard_router import __version__
-from kubeshard_router.backends.registry import ModelState
+from kubeshard_router.backends.model import ModelState
 from kubeshard_router.dispatch import RequestContext
 from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
 from kubeshard_router.intake import take_in
