@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from kubeshard_shard import __version__
 
@@ -65,6 +64,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--num-threads", type=positive_int, help="CPU threads for torch (default: all available)")
+    g.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
+                   help="CPU GEMM library (auto: oneDNN where it is faster and this CPU has the dtype's kernels)")
+    g.add_argument("--no-cpu-kernels", action="store_true",
+                   help="serve decode attention with torch instead of the compiled CPU kernel")
 
 
 def add_group_flags(p: argparse.ArgumentParser) -> None:
@@ -72,42 +75,6 @@ def add_group_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategy", default=None, choices=["tensor", "zero3"],
                    help="sharding strategy (default tensor)")
     g.add_argument("--shards", type=positive_int, default=None, help="processes in the group (WORLD_SIZE)")
-
-
-def engine_config(args):
-    from kubeshard_shard.config import EngineConfig, MemoryBudget
-
-    model_dir = Path(args.model).expanduser()
-    return EngineConfig(
-        model_dir=model_dir,
-        model_id=args.model_id or model_dir.resolve().name,
-        revision=args.revision,
-        dtype=args.dtype,
-        device=args.device,
-        max_input_tokens=args.max_input_tokens,
-        max_total_tokens=args.max_total_tokens,
-        max_batch_tokens=args.max_batch_tokens,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_memory=MemoryBudget.parse(args.kv_cache_memory) if args.kv_cache_memory else None,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads,
-    )
-
-
-def engine_flag_args(args) -> list[str]:
-    """The engine flags of ``args`` as a serve-shard command line (for the launcher)."""
-    out = ["--dtype", args.dtype, "--device", args.device, "--max-batch-tokens", str(args.max_batch_tokens),
-           "--max-concurrent-requests", str(args.max_concurrent_requests), "--max-num-seqs", str(args.max_num_seqs),
-           "--block-size", str(args.block_size)]
-    for flag in ("max_input_tokens", "max_total_tokens", "kv_cache_memory", "num_threads"):
-        value = getattr(args, flag)
-        if value is not None:
-            out += ["--" + flag.replace("_", "-"), str(value)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def cmd_demo_model(args) -> int:
     from kubeshard_shard.demo_model import write_demo_model
 
@@ -182,9 +154,10 @@ def cmd_demo_model(args) -> int:
 
 
 def cmd_serve_shard(args) -> int:
-    from kubeshard_shard.distributed.launch import run_shard
+    from kubeshard_shard.config import EngineConfig, ListenConfig, Placement
+    from kubeshard_shard.server.shard_main import run_shard
 
-    return run_shard(args)
+    return run_shard(EngineConfig.from_args(args), Placement.from_args(args), ListenConfig.from_args(args))
 
 
 def cmd_generate(args) -> int:
@@ -194,7 +167,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from kubeshard_shard.launcher import run_launcher
+    from kubeshard_shard.local_launcher import run_launcher
 
     return run_launcher(args)
 
@@ -206,8 +179,6 @@ COMMANDS = {"demo-model": cmd_demo_model, "serve-shard": cmd_serve_shard, "gener
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from kubeshard_shard.server.serve import configure_logging
-
     configure_logging(args.log_level)
     from kubeshard_shard.models.config import CheckpointError
 

@@ -1,17 +1,29 @@
-"""The model server's configuration: one typed, validated object built at the edge (CLI)."""
+"""The model server's configuration: typed, validated objects built once at the edge.
+
+``kubeshard serve-shard`` and ``kubeshard serve`` parse their flags into these (the
+``from_args`` constructors) and pass them down; nothing below the command line reads
+flags or the environment. ``EngineConfig.to_flags`` turns a config back into a
+``serve-shard`` command line, which is how the local launcher starts its shards.
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 STRATEGIES = ("tensor", "zero3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_GEMMS = ("auto", "onednn", "torch")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mi": 1024**2, "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
           "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4}
+_ORDINAL = re.compile(r"^(?P<set>.+)-(?P<ordinal>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -20,6 +32,7 @@ class MemoryBudget:
 
     bytes: int | None = None
     fraction: float | None = None
+    text: str = ""  # as the user wrote it (for command lines and messages)
 
     @classmethod
     def parse(cls, text: str, flag: str = "--kv-cache-memory") -> "MemoryBudget":
@@ -29,7 +42,7 @@ class MemoryBudget:
         except ValueError:
             value = None
         if value is not None and 0 < value < 1 and "." in text:
-            return cls(fraction=value)
+            return cls(fraction=value, text=text)
         m = _SIZE.match(text)
         if not m:
             raise ValueError(f"{flag}: '{text}' is neither a size (e.g. 2GiB, 512MB, 1000000) "
@@ -38,7 +51,7 @@ class MemoryBudget:
         size = int(number * _UNITS[unit])
         if size <= 0:
             raise ValueError(f"{flag}: must be positive, got '{text}'")
-        return cls(bytes=size)
+        return cls(bytes=size, text=text)
 
     def resolve(self, device_total: int) -> int:
         return self.bytes if self.bytes is not None else int(self.fraction * device_total)
@@ -60,6 +73,10 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    # CPU paths: the compiled decode-attention kernel (off: torch's portable path), and
+    # which library runs the GEMMs (auto: oneDNN where it is faster and works for the dtype).
+    cpu_kernels: bool = True
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_concurrent_requests", "max_num_seqs", "block_size"):
@@ -75,18 +92,64 @@ class EngineConfig:
                              f"--max-total-tokens ({self.max_total_tokens})")
         if self.block_size & (self.block_size - 1) or self.block_size > 256:
             raise ValueError(f"--block-size must be a power of two up to 256, got {self.block_size}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16; got '{self.dtype}'")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got '{self.dtype}'")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"--cpu-gemm must be one of {', '.join(CPU_GEMMS)}; got '{self.cpu_gemm}'")
+
+    @classmethod
+    def from_args(cls, args: Any, model_dir: Path | None = None, model_id: str | None = None) -> "EngineConfig":
+        """From parsed ``serve-shard``/``serve`` flags; ``model_dir`` and ``model_id``
+        stand in for ``--model``/``--model-id`` when the caller resolved a default."""
+        model_dir = Path(model_dir if model_dir is not None else args.model).expanduser()
+        return cls(
+            model_dir=model_dir,
+            model_id=model_id or args.model_id or model_dir.resolve().name,
+            revision=args.revision,
+            dtype=args.dtype,
+            device=args.device,
+            max_input_tokens=args.max_input_tokens,
+            max_total_tokens=args.max_total_tokens,
+            max_batch_tokens=args.max_batch_tokens,
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory=MemoryBudget.parse(args.kv_cache_memory) if args.kv_cache_memory else None,
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            num_threads=args.num_threads,
+            cpu_kernels=not args.no_cpu_kernels,
+            cpu_gemm=args.cpu_gemm,
+        )
+
+    def to_flags(self) -> list[str]:
+        """This config as ``serve-shard`` flags (the inverse of ``from_args``)."""
+        out = ["--model", str(self.model_dir), "--model-id", self.model_id, "--revision", self.revision,
+               "--dtype", self.dtype, "--device", self.device, "--max-batch-tokens", str(self.max_batch_tokens),
+               "--max-concurrent-requests", str(self.max_concurrent_requests),
+               "--max-num-seqs", str(self.max_num_seqs), "--block-size", str(self.block_size),
+               "--cpu-gemm", self.cpu_gemm]
+        for flag, value in (("--max-input-tokens", self.max_input_tokens),
+                            ("--max-total-tokens", self.max_total_tokens),
+                            ("--kv-cache-memory", self.kv_cache_memory.text if self.kv_cache_memory else None),
+                            ("--num-threads", self.num_threads)):
+            if value is not None:
+                out += [flag, str(value)]
+        if not self.enable_prefix_caching:
+            out.append("--no-prefix-caching")
+        if not self.cpu_kernels:
+            out.append("--no-cpu-kernels")
+        return out
 
 
 @dataclass(frozen=True)
-class DistributedConfig:
-    """Where this process sits in its shard group."""
+class Placement:
+    """Where this process sits in its shard group: the strategy, the group's size, this
+    process's rank and the leader's rendezvous address."""
 
     strategy: str = "tensor"
-    world_size: int = 1
+    shards: int = 1
     rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
@@ -96,11 +159,82 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}; got '{self.strategy}'")
-        if self.world_size < 1:
-            raise ValueError(f"--shards must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside the group of {self.world_size} shards")
+        if self.shards < 1:
+            raise ValueError(f"--shards must be >= 1, got {self.shards}")
+        if not 0 <= self.rank < self.shards:
+            raise ValueError(f"rank {self.rank} is outside the group of {self.shards} shards")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a TCP port, got {self.master_port}")
         if self.offload not in (None, "cpu"):
             raise ValueError(f"--offload must be 'cpu' when given, got '{self.offload}'")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def resolve(cls, strategy: str | None, shards: int | None, rank: int | None, master_addr: str | None,
+                master_port: int | None, headless_service: str | None, timeout_s: float,
+                offload: str | None, env: Mapping[str, str]) -> "Placement":
+        """Precedence per value: flag, then the torchrun-style variable (RANK, WORLD_SIZE,
+        MASTER_ADDR, MASTER_PORT), then — inside a StatefulSet with ``headless_service`` —
+        the pod name's ordinal as the rank and ``<statefulset>-0.<service>`` as the
+        leader, so a pod needs no per-pod configuration."""
+        shards = shards if shards is not None else _int_env(env, "WORLD_SIZE")
+        pod_set = pod_rank = None
+        if headless_service:
+            pod_set, pod_rank = pod_identity(env)
+        if rank is None:
+            rank = _int_env(env, "RANK")
+        if rank is None:
+            rank = pod_rank if pod_rank is not None else 0
+        if master_addr is None:
+            master_addr = env.get("MASTER_ADDR") or None
+        if master_addr is None:
+            master_addr = f"{pod_set}-0.{headless_service}" if headless_service else "127.0.0.1"
+        if master_port is None:
+            master_port = _int_env(env, "MASTER_PORT") or 29500
+        return cls(strategy=strategy or "tensor", shards=shards or 1, rank=rank, master_addr=master_addr,
+                   master_port=master_port, timeout_s=timeout_s, offload=offload)
+
+    @classmethod
+    def from_args(cls, args: Any, env: Mapping[str, str] | None = None) -> "Placement":
+        return cls.resolve(args.strategy, args.shards, args.rank, args.master_addr, args.master_port,
+                           args.headless_service, args.dist_timeout, args.offload,
+                           os.environ if env is None else env)
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got '{value}'") from None
+
+
+def pod_identity(env: Mapping[str, str]) -> tuple[str, int]:
+    """(statefulset name, ordinal) from POD_NAME or the hostname."""
+    name = env.get("POD_NAME") or socket.gethostname()
+    m = _ORDINAL.match(name)
+    if not m:
+        raise ValueError(f"--headless-service is set but the pod name '{name}' has no StatefulSet ordinal "
+                         "(expected NAME-N); set POD_NAME from the downward API")
+    return m.group("set"), int(m.group("ordinal"))
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    """Where a model-server process listens."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = 9400
+    drain_seconds: float = 30.0
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ListenConfig":
+        return cls(host=args.host, port=args.port, metrics_host=args.metrics_host,
+                   metrics_port=args.metrics_port or None, drain_seconds=args.drain_seconds)

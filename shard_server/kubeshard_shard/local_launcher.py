@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubeshard_shard.config import EngineConfig
+from kubeshard_shard.paths import cache_root
+
 READY_LINE = "kubeshard ready on http://"
 SHARD_READY = "kubeshard shard ready"
 STARTUP_TIMEOUT_S = 600.0
@@ -30,10 +33,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
 
 
 def default_model() -> Path:
@@ -139,12 +138,11 @@ def _start_redis(launcher: Launcher) -> str | None:
 
 
 def run_launcher(args) -> int:
-    from kubeshard_shard.cli import engine_flag_args
-
     model_dir = Path(args.model).expanduser() if args.model else default_model()
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model {model_dir}: not a checkpoint folder (no config.json)")
-    model_id = args.model_id or (model_dir.resolve().name if args.model else DEMO_MODEL_ID)
+    config = EngineConfig.from_args(args, model_dir=model_dir, model_id=None if args.model else DEMO_MODEL_ID)
+    model_id = config.model_id
     shards = args.shards or 1
     strategy = args.strategy or "tensor"
     python = sys.executable
@@ -162,11 +160,10 @@ def run_launcher(args) -> int:
             leader_port, master_port = free_port(), free_port()
             for rank in range(shards):
                 argv = [python, "-m", "kubeshard_shard.cli", "--log-level", args.log_level, "serve-shard",
-                        "--model", str(model_dir), "--model-id", model_id, "--revision", args.revision,
+                        *config.to_flags(),
                         "--host", "127.0.0.1", "--port", str(leader_port if rank == 0 else 0),
                         "--metrics-port", "0", "--strategy", strategy, "--shards", str(shards),
-                        "--rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
-                        *engine_flag_args(args)]
+                        "--rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
                 env = {}
                 if shards > 1 and args.num_threads is None:
                     # ranks share this machine's cores

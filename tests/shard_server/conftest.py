@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kubeshard_shard.config import EngineConfig, MemoryBudget
-from kubeshard_shard.engine.factory import build_served_model
+from kubeshard_shard.server.factory import build_served_model
 from kubeshard_shard.engine.request import make_sampling_params
 
 
@@ -66,13 +66,11 @@ def random_prompts(count: int, vocab: int, lengths: tuple[int, int], seed: int =
 
 
 @pytest.fixture(params=["kernel", "torch-fallback"])
-def decode_path(request, monkeypatch):
-    """Runs a test with the compiled decode kernel and with the torch fallback."""
+def decode_path(request) -> dict:
+    """Runs a test with the compiled decode kernel and with the torch fallback: the
+    engine settings to pass to ``build_engine``."""
     from kubeshard_shard.engine import kernels
 
-    if request.param == "kernel":
-        if not kernels.load():
-            pytest.fail("the paged decode kernel failed to build on this machine")
-    else:
-        monkeypatch.setattr(kernels, "paged_decode", None)
-    return request.param
+    if request.param == "kernel" and kernels.load() is None:
+        pytest.fail("the paged decode kernel failed to build on this machine")
+    return {"cpu_kernels": request.param == "kernel"}

@@ -11,10 +11,12 @@ from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import decode_attention_reference
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def kernel():
-    if not kernels.load():
+    loaded = kernels.load()
+    if loaded is None:
         pytest.fail("the paged decode kernel failed to build on this machine")
+    return loaded
 
 
 @pytest.mark.parametrize("hq,hkv,d,block_size", [
@@ -25,7 +27,7 @@ def kernel():
     (4, 2, 80, 32),
     (2, 2, 256, 1),    # the largest head size, one-token blocks
 ])
-def test_kernel_matches_reference(hq, hkv, d, block_size):
+def test_kernel_matches_reference(kernel, hq, hkv, d, block_size):
     gen = torch.Generator().manual_seed(hq * 1000 + d)
     lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 197]
     num_blocks = sum(-(-n // block_size) for n in lens) + 7
@@ -43,17 +45,17 @@ def test_kernel_matches_reference(hq, hkv, d, block_size):
     q = torch.randn(len(lens), hq, d, generator=gen)
     scale = d ** -0.5
 
-    assert kernels.supports(q)
+    assert kernels.supports(kernel, q)
     out = torch.full_like(q, float("nan"))
-    kernels.paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+    kernel(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
     want = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, max(lens), block_size, scale)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-def test_unsupported_head_size_uses_the_fallback():
-    assert not kernels.supports(torch.zeros(1, 2, 72))
-    assert not kernels.supports(torch.zeros(1, 2, 64, dtype=torch.bfloat16))
+def test_unsupported_head_size_uses_the_fallback(kernel):
+    assert not kernels.supports(kernel, torch.zeros(1, 2, 72))
+    assert not kernels.supports(kernel, torch.zeros(1, 2, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         q = torch.zeros(1, 2, 72)
-        kernels.paged_decode(torch.empty_like(q), q, torch.zeros(16, 2, 72), torch.zeros(16, 2, 72),
+        kernel(torch.empty_like(q), q, torch.zeros(16, 2, 72), torch.zeros(16, 2, 72),
                              torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 16, 1.0)

@@ -15,7 +15,8 @@ ARCHES = ["llama", "qwen2", "mistral"]
 @pytest.mark.parametrize("arch", ARCHES)
 def test_alone_short_and_long_prompts(demo_model, arch, decode_path):
     model = demo_model(arch)
-    served = build_engine(model)
+    served = build_engine(model, **decode_path)
+    assert (served.engine.runner.decode_kernel is not None) == decode_path["cpu_kernels"]
     for prompt in ([17], random_prompts(1, 1000, (5, 5), seed=1)[0], random_prompts(1, 1000, (300, 300), seed=2)[0]):
         [outs] = run_to_completion(served.engine, [(prompt, greedy(24))])
         assert [o.token_id for o in outs] == hf_greedy(model, prompt, 24), f"prompt of {len(prompt)} tokens"
@@ -25,7 +26,7 @@ def test_alone_short_and_long_prompts(demo_model, arch, decode_path):
 def test_batch_of_16_mixed_lengths(demo_model, arch, decode_path):
     model = demo_model(arch)
     # A small step budget forces chunked prefill interleaved with running decodes.
-    served = build_engine(model, max_batch_tokens=96)
+    served = build_engine(model, max_batch_tokens=96, **decode_path)
     prompts = random_prompts(16, 1000, (1, 200), seed=3)
     outs = run_to_completion(served.engine, [(p, greedy(20)) for p in prompts])
     for i, prompt in enumerate(prompts):

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from kubeshard_shard.distributed.rendezvous import resolve_group
+from kubeshard_shard.config import Placement
 
 
 def resolve(env=None, **flags):
     args = dict(strategy=None, shards=None, rank=None, master_addr=None, master_port=None, headless_service=None,
                 timeout_s=30.0, offload=None)
     args.update(flags)
-    return resolve_group(**args, env=env or {})
+    return Placement.resolve(**args, env=env or {})
 
 
 def test_flags_win():
     g = resolve({"RANK": "3", "WORLD_SIZE": "8"}, strategy="zero3", shards=4, rank=1, master_addr="a", master_port=1234)
-    assert (g.strategy, g.world_size, g.rank, g.master_addr, g.master_port) == ("zero3", 4, 1, "a", 1234)
+    assert (g.strategy, g.shards, g.rank, g.master_addr, g.master_port) == ("zero3", 4, 1, "a", 1234)
 
 
 def test_torchrun_variables():
     g = resolve({"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"})
-    assert (g.world_size, g.rank, g.master_addr, g.master_port, g.strategy) == (4, 2, "10.0.0.1", 29600, "tensor")
+    assert (g.shards, g.rank, g.master_addr, g.master_port, g.strategy) == (4, 2, "10.0.0.1", 29600, "tensor")
 
 
 def test_statefulset_pod_needs_no_per_pod_configuration():

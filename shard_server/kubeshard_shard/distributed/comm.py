@@ -1,4 +1,4 @@
-"""The shard group's process group: rendezvous, agreement checks, and collectives.
+"""A shard group's communicator: rendezvous, agreement checks, and collectives.
 
 Two timeouts: rendezvous and loading may take long (workers wait for their leader,
 which may be pulling a model), so the default group uses ``--dist-timeout``; every
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kubeshard_shard.config import STRATEGIES, DistributedConfig
+from kubeshard_shard.config import STRATEGIES, Placement
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class GroupError(RuntimeError):
     """The group cannot form or lost a member; the message says which and why."""
 
 
-def wait_for_leader(cfg: DistributedConfig) -> None:
+def wait_for_leader(cfg: Placement) -> None:
     """Non-leader ranks probe the leader's rendezvous port first, so that an address
     that never answers fails with the address in the message (torch's own error
     does not say what it tried)."""
@@ -55,7 +55,7 @@ class Comm:
     """This rank's view of its group."""
 
     rank: int
-    world_size: int
+    shards: int
     device: torch.device
     step_group: object  # the process group of the serving loop (short timeout)
     # seconds spent inside collectives of the serving loop (waiting included)
@@ -85,7 +85,7 @@ class Comm:
         (None elsewhere)."""
         t = t.contiguous()
         if self.is_leader:
-            parts = [torch.empty_like(t) for _ in range(self.world_size)]
+            parts = [torch.empty_like(t) for _ in range(self.shards)]
             self._timed(dist.gather, t, parts, dst=0, group=self.step_group)
             return torch.cat(parts, dim=-1)
         self._timed(dist.gather, t, None, dst=0, group=self.step_group)
@@ -98,7 +98,7 @@ class Comm:
         padded = torch.zeros((width, *t.shape[1:]), dtype=t.dtype, device=t.device)
         padded[: t.shape[0]] = t
         if self.is_leader:
-            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            parts = [torch.empty_like(padded) for _ in range(self.shards)]
             self._timed(dist.gather, padded, parts, dst=0, group=self.step_group)
             return [p[:n] for p, n in zip(parts, rows)]
         self._timed(dist.gather, padded, None, dst=0, group=self.step_group)
@@ -118,7 +118,7 @@ class Comm:
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         t = torch.tensor(values, dtype=torch.long)
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        out = [torch.empty_like(t) for _ in range(self.shards)]
         dist.all_gather(out, t)
         return [o.tolist() for o in out]
 
@@ -133,21 +133,21 @@ class Comm:
                 pass
 
 
-def init_group(cfg: DistributedConfig, device: torch.device, step_timeout_s: float = STEP_TIMEOUT_S) -> Comm:
+def init_group(cfg: Placement, device: torch.device, step_timeout_s: float = STEP_TIMEOUT_S) -> Comm:
     wait_for_leader(cfg)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     try:
         dist.init_process_group(backend=backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
-                                rank=cfg.rank, world_size=cfg.world_size,
+                                rank=cfg.rank, world_size=cfg.shards,
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
     except Exception as exc:
-        raise GroupError(f"rank {cfg.rank} could not join the group of {cfg.world_size} at "
+        raise GroupError(f"rank {cfg.rank} could not join the group of {cfg.shards} at "
                          f"{cfg.master_addr}:{cfg.master_port}: {exc}") from exc
-    step_group = dist.new_group(list(range(cfg.world_size)), timeout=datetime.timedelta(seconds=step_timeout_s),
+    step_group = dist.new_group(list(range(cfg.shards)), timeout=datetime.timedelta(seconds=step_timeout_s),
                                 backend=backend)
-    log.info("rank %d of %d joined the group at %s:%d (%s)", cfg.rank, cfg.world_size, cfg.master_addr,
+    log.info("rank %d of %d joined the group at %s:%d (%s)", cfg.rank, cfg.shards, cfg.master_addr,
              cfg.master_port, backend)
-    return Comm(cfg.rank, cfg.world_size, device, step_group)
+    return Comm(cfg.rank, cfg.shards, device, step_group)
 
 
 def fingerprint(text: bytes) -> int:
@@ -157,7 +157,7 @@ def fingerprint(text: bytes) -> int:
 def check_agreement(comm: Comm, strategy: str, model_fingerprint: int, engine_fingerprint: int) -> None:
     """Every rank must run the same strategy on the same model with the same engine
     settings; a mismatch stops the whole group with a message naming the ranks."""
-    rows = comm.all_gather_ints([STRATEGIES.index(strategy), comm.world_size, model_fingerprint,
+    rows = comm.all_gather_ints([STRATEGIES.index(strategy), comm.shards, model_fingerprint,
                                  engine_fingerprint])
     leader = rows[0]
     problems = []

@@ -1,6 +1,6 @@
 """The leader tells its ranks what to compute, one message per engine step.
 
-A step is a list of ``StepInputs``, one per stream (one for tensor parallel, one per
+A step is a list of ``StepInputs``, one per lane (one for tensor parallel, one per
 rank for zero3), flattened into a single int64 tensor and broadcast after a fixed-size
 header; no pickles cross the wire. When the engine is idle the leader sends a
 heartbeat, so followers never wait longer than the step timeout unless the leader is
@@ -44,7 +44,7 @@ def encode(inputs: list[StepInputs | None]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
-def decode(payload: torch.Tensor, num_streams: int) -> list[StepInputs | None]:
+def decode(payload: torch.Tensor, num_lanes: int) -> list[StepInputs | None]:
     out: list[StepInputs | None] = []
     pos = 0
 
@@ -54,7 +54,7 @@ def decode(payload: torch.Tensor, num_streams: int) -> list[StepInputs | None]:
         pos += n
         return chunk
 
-    for _ in range(num_streams):
+    for _ in range(num_lanes):
         if int(take(1)) == 0:
             out.append(None)
             continue
@@ -87,8 +87,8 @@ class StepChannel:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
 
-    def _send_header(self, command: Command, num_streams: int, length: int) -> None:
-        self.comm.broadcast(torch.tensor([int(command), num_streams, length, 0], dtype=torch.long))
+    def _send_header(self, command: Command, num_lanes: int, length: int) -> None:
+        self.comm.broadcast(torch.tensor([int(command), num_lanes, length, 0], dtype=torch.long))
 
     def send_step(self, inputs: list[StepInputs | None]) -> None:
         payload = encode(inputs)
@@ -103,8 +103,8 @@ class StepChannel:
 
     def receive(self) -> tuple[Command, list[StepInputs | None]]:
         header = self.comm.broadcast(torch.zeros(HEADER, dtype=torch.long))
-        command, streams, length = Command(int(header[0])), int(header[1]), int(header[2])
+        command, lanes, length = Command(int(header[0])), int(header[1]), int(header[2])
         if command is not Command.STEP:
             return command, []
         payload = self.comm.broadcast(torch.zeros(length, dtype=torch.long))
-        return command, decode(payload, streams)
+        return command, decode(payload, lanes)

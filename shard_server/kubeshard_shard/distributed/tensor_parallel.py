@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kubeshard_shard.distributed.comm import Comm
 from kubeshard_shard.models.config import ModelConfig
-from kubeshard_shard.models.layers import Embedding, Linear, MergedLinear, _copy_into, linear
+from kubeshard_shard.models.layers import Embedding, Linear, MergedLinear, UsesGemm, _copy_into
 
 
 class ShardingError(ValueError):
@@ -93,7 +93,7 @@ class RowParallelLinear(Linear):
             _copy_into(param, tensor_slice[:, self.start:self.start + self.in_features], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.comm.all_reduce(linear(x, self.weight))
+        out = self.comm.all_reduce(self.gemm(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -114,12 +114,12 @@ class VocabParallelEmbedding(Embedding):
         return self.comm.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(UsesGemm, VocabParallelEmbedding):
     """The same vocabulary slice as the embedding (and its weight when they are tied),
     projecting instead of looking up; the leader gathers the slices' logits."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.comm.gather_last_dim(linear(hidden, self.weight))
+        logits = self.comm.gather_last_dim(self.gemm(hidden, self.weight))
         # followers get an empty result; only the leader samples
         return logits if logits is not None else hidden.new_empty((hidden.shape[0], 0))
 
@@ -127,7 +127,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 def apply_tensor_parallel(model, comm: Comm) -> None:
     """Swaps every layer of ``model`` (on the meta device) for its parallel version."""
     cfg: ModelConfig = model.config
-    rank, world = comm.rank, comm.world_size
+    rank, world = comm.rank, comm.shards
     check_divisible(cfg, world)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -61,7 +61,9 @@ class Unit:
 
 
 @dataclass
-class Zero3:
+class Zero3Partitions:
+    """Every unit's flat partition on this rank, and the gathers that rebuild a unit."""
+
     comm: Comm
     offload: str | None = None
     units: list[Unit] = field(default_factory=list)
@@ -84,7 +86,7 @@ class Zero3:
                         full = ".".join(p for p in (base, sub_name, attr) if p)
                         specs.append(ParamSpec(full, sub, attr, param.shape, offset))
                         offset += param.numel()
-            world = self.comm.world_size
+            world = self.comm.shards
             return Unit(name, specs, padded_numel=-(-offset // world) * world)
 
         m = model.model
@@ -118,7 +120,7 @@ class Zero3:
         for u in self.units:
             if u.source is not None:
                 continue
-            size = u.padded_numel // self.comm.world_size
+            size = u.padded_numel // self.comm.shards
             if on_host:
                 u.partition = torch.zeros(size, dtype=dtype, pin_memory=True)
             else:
@@ -144,7 +146,7 @@ class Zero3:
             pieces.setdefault(pname, []).append((ckpt_name, row_offset, rows))
         if model.config.tie_word_embeddings:
             pieces["lm_head.weight"] = pieces.get("model.embed_tokens.weight", [])
-        rank, world = self.comm.rank, self.comm.world_size
+        rank, world = self.comm.rank, self.comm.shards
         with torch.no_grad():
             for u in self.units:
                 if u.source is not None:

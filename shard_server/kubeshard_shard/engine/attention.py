@@ -5,8 +5,9 @@ prefill chunks, one after another. Every token's K/V is first written to its slo
 the cache (``slot_mapping``); attention then reads each sequence's context from the
 blocks in its block table.
 
-- Decode tokens use a fused kernel (``kernels.paged_decode``) that reads K/V straight from
-  the blocks; without it, the contexts are gathered into a padded batch.
+- Decode tokens use a fused kernel (``kernels.load``'s, when the process has one) that
+  reads K/V straight from the blocks; without it, the contexts are gathered into a
+  padded batch.
 - A prefill chunk with nothing before it attends over its own fresh K/V (causal SDPA);
   a chunk that continues a cached prefix or an earlier chunk gathers that context from
   its blocks and attends with a bottom-right causal mask.
@@ -15,6 +16,7 @@ blocks in its block table.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +61,8 @@ class KVCache:
 class PagedAttention:
     """The model's attention backend for one step (``AttentionBackend`` protocol)."""
 
-    def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
-        self.cache, self.meta = cache, meta
+    def __init__(self, cache: KVCache, meta: AttentionMetadata, decode_kernel: Callable | None = None) -> None:
+        self.cache, self.meta, self.decode_kernel = cache, meta, decode_kernel
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
@@ -72,7 +74,7 @@ class PagedAttention:
         n = meta.num_decode
         if n:
             out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                       meta.max_context_len, self.cache.block_size, scale)
+                                       meta.max_context_len, self.cache.block_size, scale, self.decode_kernel)
         for chunk in meta.prefills:
             s, e = chunk.query_start, chunk.query_start + chunk.query_len
             out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale)
@@ -98,12 +100,11 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: flo
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len: int,
-                     block_size: int, scale: float) -> torch.Tensor:
+                     block_size: int, scale: float, kernel: Callable | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence -> [B, Hq, D]."""
-    if kernels.supports(q):
+    if kernels.supports(kernel, q):
         out = torch.empty_like(q)
-        kernels.paged_decode(out, q.contiguous(), k_cache, v_cache, block_tables, context_lens,
-                             block_size, scale)
+        kernel(out, q.contiguous(), k_cache, v_cache, block_tables, context_lens, block_size, scale)
         return out
     return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
                                       block_size, scale)

@@ -60,14 +60,6 @@ class BlockManager:
     def num_cached_free_blocks(self) -> int:
         return self._cached_free
 
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
     # ---- hashing -------------------------------------------------------------------
     def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
         """Extends ``seq.block_hashes`` to cover every full block within ``upto_tokens``."""
@@ -180,10 +172,3 @@ class BlockManager:
                     self._cached_free += 1
         seq.block_table = []
         seq.num_registered_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets the cached content of every free block."""
-        for block_id in self.free:
-            self.blocks[block_id].block_hash = None
-        self.cached = {b.block_hash: b.block_id for b in self.blocks if b.block_hash is not None}
-        self._cached_free = 0

@@ -13,23 +13,24 @@ outside the clone, and keyed by its source and the CPU's flags; when it cannot b
 or for a head size it does not handle, the torch fallback in ``attention.py`` serves
 (slower, same results up to float rounding).
 
-``paged_decode`` is None until ``load()`` succeeds.
+``load()`` returns the kernel, or None when the fallback serves; the model runner holds
+what it returned.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
-import os
-import platform
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from kubeshard_shard.hardware import CpuFeatures
+from kubeshard_shard.paths import cache_root
 
-paged_decode = None
-_attempted = False
+log = logging.getLogger(__name__)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -219,42 +220,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 
-def supports(q) -> bool:
-    """Whether the kernel serves decode queries like ``q`` ([B, Hq, D])."""
-    return (paged_decode is not None and q.device.type == "cpu" and q.dtype == torch.float32
+def supports(kernel: Callable | None, q: torch.Tensor) -> bool:
+    """Whether ``kernel`` (what ``load`` returned) serves decode queries like ``q`` ([B, Hq, D])."""
+    return (kernel is not None and q.device.type == "cpu" and q.dtype == torch.float32
             and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256)
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build_dir() -> Path:
-    root = Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
-    key = hashlib.sha256((SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
-    path = root / "kernels" / f"paged_decode_{key}"
+def _build_dir(flags: str) -> Path:
+    key = hashlib.sha256((SOURCE + flags + torch.__version__).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"paged_decode_{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def load() -> bool:
-    """Builds (once per machine) and loads the kernel; False means the fallback serves."""
-    global paged_decode, _attempted
-    if paged_decode is not None:
-        return True
-    if _attempted or os.environ.get("KUBESHARD_DISABLE_KERNELS") == "1":
-        return False
-    _attempted = True
+@functools.cache
+def load(cpu_flags: str = "") -> Callable | None:
+    """Builds (once per machine: the build is cached on disk, keyed by the source and the
+    CPU's flags) and loads the kernel; None means the torch fallback serves."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        build_dir = _build_dir()
+        build_dir = _build_dir(cpu_flags or CpuFeatures.detect().line)
         module = load_inline(
             name=f"kubeshard_paged_decode_{build_dir.name.rsplit('_', 1)[-1]}",
             cpp_sources=[SOURCE],
@@ -265,11 +251,10 @@ def load() -> bool:
         )
     except Exception as exc:  # no compiler, no ninja, ...: serve with the torch fallback
         log.warning("paged decode kernel unavailable, using the torch fallback: %s", str(exc).splitlines()[0])
-        return False
-    paged_decode = module.paged_decode
-    return True
+        return None
+    return module.paged_decode
 
 
 if __name__ == "__main__":  # `make install` builds the kernel once, ahead of the first server
     logging.basicConfig(level=logging.INFO)
-    print("paged decode kernel:", "ready" if load() else "unavailable (the torch fallback serves)")
+    print("paged decode kernel:", "ready" if load() is not None else "unavailable (the torch fallback serves)")

@@ -3,17 +3,18 @@
 ``LLMEngine`` is single-threaded and synchronous; ``AsyncEngine`` runs it in a thread
 for the gRPC server. Outputs are plain dataclasses, one per generated token.
 
-An engine drives one or more *streams*: a stream is a scheduler with its own KV pool.
-A single process or a tensor-parallel group has one stream; a zero3 group has one per
-rank (data parallel), all scheduled here on the leader and executed in lockstep.
+An engine drives one or more *lanes*: a lane is a scheduler with its own KV pool. A
+single process or a tensor-parallel group has one lane; a zero3 group has one per rank
+(data parallel), all scheduled here on the leader and executed in lockstep. How a
+step's inputs (one per lane) are computed is the ``StepExecutor``'s business: the
+group's sharding strategy, handed to the engine at construction.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -82,8 +83,8 @@ class EngineStats:
     last_step_seconds: float = 0.0
     step_seconds_total: float = 0.0
     comm_seconds_total: float = 0.0
-    # per-stream figures when the engine drives several streams (zero3 ranks)
-    streams: list["EngineStats"] = field(default_factory=list)
+    # per-lane figures when the engine drives several lanes (zero3 ranks)
+    lanes: list["EngineStats"] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -95,8 +96,8 @@ class EngineStats:
 
 
 @dataclass
-class Stream:
-    """One continuous-batching stream: a scheduler over its own KV-block pool."""
+class Lane:
+    """One continuous-batching lane: a scheduler over its own KV-block pool."""
 
     index: int
     block_manager: BlockManager
@@ -104,7 +105,7 @@ class Stream:
 
     @classmethod
     def create(cls, index: int, num_blocks: int, block_size: int, prefix_caching: bool, max_batch_tokens: int,
-               max_num_seqs: int) -> "Stream":
+               max_num_seqs: int) -> "Lane":
         bm = BlockManager(num_blocks, block_size, prefix_caching)
         return cls(index, bm, Scheduler(bm, max_batch_tokens, max_num_seqs))
 
@@ -113,8 +114,8 @@ class Stream:
         return self.scheduler.num_unfinished
 
 
-def stream_stats(stream: Stream) -> EngineStats:
-    bm, sch = stream.block_manager, stream.scheduler
+def lane_stats(lane: Lane) -> EngineStats:
+    bm, sch = lane.block_manager, lane.scheduler
     return EngineStats(
         waiting=len(sch.waiting), running=len(sch.running), kv_blocks_total=bm.num_blocks,
         kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
@@ -122,11 +123,21 @@ def stream_stats(stream: Stream) -> EngineStats:
         prefix_cache_hits=bm.prefix_hits, preemptions_total=sch.preemptions_total)
 
 
-class _RequestState:
-    __slots__ = ("seq", "detok", "stop_sequences", "max_stop_len", "stream")
+class StepExecutor(Protocol):
+    """Computes one step: the inputs of every lane in, the logits of every lane out."""
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, stream: Stream) -> None:
-        self.stream = stream
+    def execute(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> list[torch.Tensor | None]: ...
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds spent in group communication so far (0 for a group of one)."""
+
+
+class _RequestState:
+    __slots__ = ("seq", "detok", "stop_sequences", "max_stop_len", "lane")
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, lane: Lane) -> None:
+        self.lane = lane
         self.seq = seq
         self.detok = detok
         self.stop_sequences = seq.params.stop_sequences
@@ -134,41 +145,37 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: ModelTokenizer, streams: list[Stream],
-                 execute: Callable[[list[StepInputs | None]], list[torch.Tensor | None]] | None = None) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: ModelTokenizer, lanes: list[Lane],
+                 executor: StepExecutor) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.streams = streams
+        self.lanes = lanes
+        self.executor = executor
         self.sampler = Sampler()
-        # How a step's inputs (one per stream) are executed: locally by default; a
-        # sharded group sends them to its ranks first.
-        self.execute = execute or (lambda inputs: [runner.run(inputs[0])])
         self.requests: dict[int, _RequestState] = {}
         self._next_key = 0
         self.generated_tokens_total = 0
         self.steps_total = 0
         self.last_step_seconds = 0.0
         self.step_seconds_total = 0.0
-        # seconds spent in group communication, when the engine drives a shard group
-        self.comm_seconds: Callable[[], float] = lambda: 0.0
 
-    # single-stream conveniences (tests, tools)
+    # single-lane conveniences (tests, tools)
     @property
     def scheduler(self) -> Scheduler:
-        return self.streams[0].scheduler
+        return self.lanes[0].scheduler
 
     @property
     def block_manager(self) -> BlockManager:
-        return self.streams[0].block_manager
+        return self.lanes[0].block_manager
 
     # ---- requests ----------------------------------------------------------------
-    def _pick_stream(self, prompt_ids: list[int]) -> Stream:
-        """Least-loaded stream; among streams within one request of the least load, the
-        one holding the longest cached prefix of this prompt."""
-        if len(self.streams) == 1:
-            return self.streams[0]
-        least = min(s.load for s in self.streams)
-        candidates = [s for s in self.streams if s.load <= least + 1]
+    def _pick_lane(self, prompt_ids: list[int]) -> Lane:
+        """Least-loaded lane; among lanes within one request of the least load, the one
+        holding the longest cached prefix of this prompt."""
+        if len(self.lanes) == 1:
+            return self.lanes[0]
+        least = min(s.load for s in self.lanes)
+        candidates = [s for s in self.lanes if s.load <= least + 1]
         return max(candidates, key=lambda s: (s.block_manager.count_cached_prefix(prompt_ids), -s.load, -s.index))
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -180,9 +187,9 @@ class LLMEngine:
         if params.prefill_details:
             seq.prefill_logprobs = [None] * len(prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer, seq.prompt_ids, self.tokenizer.special_ids)
-        stream = self._pick_stream(seq.prompt_ids)
-        self.requests[key] = _RequestState(seq, detok, stream)
-        stream.scheduler.add(seq)
+        lane = self._pick_lane(seq.prompt_ids)
+        self.requests[key] = _RequestState(seq, detok, lane)
+        lane.scheduler.add(seq)
         return key
 
     def abort(self, key: int) -> bool:
@@ -191,44 +198,44 @@ class LLMEngine:
             return False
         state.seq.aborted = True
         state.seq.status = SequenceStatus.FINISHED
-        state.stream.scheduler.remove(state.seq)
+        state.lane.scheduler.remove(state.seq)
         return True
 
     def has_work(self) -> bool:
-        return any(s.scheduler.num_unfinished for s in self.streams)
+        return any(s.scheduler.num_unfinished for s in self.lanes)
 
     def stats(self) -> EngineStats:
-        per = [stream_stats(s) for s in self.streams]
+        per = [lane_stats(s) for s in self.lanes]
         total = EngineStats(generated_tokens_total=self.generated_tokens_total, steps_total=self.steps_total,
                             last_step_seconds=self.last_step_seconds, step_seconds_total=self.step_seconds_total,
-                            comm_seconds_total=self.comm_seconds())
+                            comm_seconds_total=self.executor.comm_seconds)
         for name in ("waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
                      "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "preemptions_total"):
             setattr(total, name, sum(getattr(p, name) for p in per))
         if len(per) > 1:
-            total.streams = per
+            total.lanes = per
         return total
 
     # ---- the step ------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         started = time.perf_counter()
-        scheds = [s.scheduler.schedule() for s in self.streams]
+        scheds = [s.scheduler.schedule() for s in self.lanes]
         if all(sched.is_empty for sched in scheds):
             return []
         plans = [None if sched.is_empty else self.runner.prepare(sched) for sched in scheds]
-        logits = self.execute([None if p is None else p.inputs for p in plans])
+        logits = self.executor.execute(self.runner, [None if p is None else p.inputs for p in plans])
         outputs: list[TokenOutput] = []
-        for stream, sched, plan, lg in zip(self.streams, scheds, plans, logits):
+        for lane, sched, plan, lg in zip(self.lanes, scheds, plans, logits):
             if plan is not None:
-                outputs.extend(self._update(stream, sched, plan, lg))
+                outputs.extend(self._update(lane, sched, plan, lg))
         self.steps_total += 1
         self.last_step_seconds = time.perf_counter() - started
         self.step_seconds_total += self.last_step_seconds
         return outputs
 
-    def _update(self, stream: Stream, sched, plan: StepPlan, logits: torch.Tensor) -> list[TokenOutput]:
-        bm = stream.block_manager
+    def _update(self, lane: Lane, sched, plan: StepPlan, logits: torch.Tensor) -> list[TokenOutput]:
+        bm = lane.block_manager
         for seq in sched.decodes:
             seq.num_computed_tokens += 1
             bm.cache_full_blocks(seq)
@@ -288,7 +295,7 @@ class LLMEngine:
         seq = state.seq
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
-        state.stream.scheduler.remove(seq)
+        state.lane.scheduler.remove(seq)
         del self.requests[seq.key]
         now = time.monotonic()
         first = seq.first_scheduled_time or now
@@ -299,6 +306,3 @@ class LLMEngine:
             preemptions=seq.preemptions,
         )
 
-
-def replace_params(params: SamplingParams, **changes) -> SamplingParams:
-    return dataclasses.replace(params, **changes)

@@ -10,6 +10,7 @@ prompt positions of requests that asked for prompt log-probabilities).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -48,10 +49,11 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model, cache: KVCache, device: torch.device, decode_kernel: Callable | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.decode_kernel = decode_kernel  # the compiled CPU decode attention, or None
         self.block_size = cache.block_size
 
     def prepare(self, sched: SchedulerOutput) -> StepPlan:
@@ -140,7 +142,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        attn = PagedAttention(self.cache, self.metadata(inputs))
+        attn = PagedAttention(self.cache, self.metadata(inputs), self.decode_kernel)
         hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
                             inputs.positions.to(self.device, non_blocking=True), attn)
         hidden = hidden.index_select(0, inputs.logits_indices.to(self.device, non_blocking=True))

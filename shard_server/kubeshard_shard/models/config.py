@@ -67,17 +67,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else embed
-        return L * per_layer + embed + head + h
-
 
 def _require(raw: dict[str, Any], key: str, where: Path, kind: type = int, positive: bool = True):
     if key not in raw:

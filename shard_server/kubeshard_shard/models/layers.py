@@ -10,7 +10,6 @@ strategy is a pass that swaps modules, and the model code holds no strategy.
 from __future__ import annotations
 
 import math
-import os
 from typing import Sequence
 
 import torch
@@ -20,29 +19,25 @@ from torch import nn
 from kubeshard_shard.models.config import ModelConfig, RopeScaling
 
 
-def _onednn_linear_available() -> bool:
-    """oneDNN's fused linear (the kernel torch.compile's CPU backend calls) runs float32
-    GEMMs about 2x faster than the MKL path F.linear takes on AMD CPUs, where MKL falls
-    back to generic code. Checked once against F.linear; KUBESHARD_CPU_GEMM=mkl opts out."""
-    if os.environ.get("KUBESHARD_CPU_GEMM", "onednn") != "onednn":
-        return False
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is None or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
-        return bool(torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5))
-    except Exception:
-        return False
-
-
-_ONEDNN = _onednn_linear_available()
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _ONEDNN and x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+class UsesGemm:
+    """A layer whose matmuls go through a GEMM chosen once per process (``compute.py``):
+    ``F.linear`` until ``bind_gemm`` hands it another."""
+
+    gemm = staticmethod(linear)
+
+    def set_gemm(self, gemm) -> None:
+        self.gemm = gemm
+
+
+def bind_gemm(model: nn.Module, gemm) -> None:
+    """Gives every GEMM layer of ``model`` (parallel ones included) the process's GEMM."""
+    for module in model.modules():
+        if isinstance(module, UsesGemm):
+            module.set_gemm(gemm)
 
 
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -56,7 +51,7 @@ def default_load_weight(name: str, param: torch.Tensor, tensor_slice, shard_id=N
     _copy_into(param, tensor_slice[:], name)
 
 
-class Linear(nn.Module):
+class Linear(UsesGemm, nn.Module):
     """y = x Wᵀ + b with the full weight on every rank (replicated)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -73,7 +68,7 @@ class Linear(nn.Module):
         default_load_weight(name, param, tensor_slice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -114,11 +109,11 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class LMHead(Embedding):
+class LMHead(UsesGemm, Embedding):
     """Projects hidden states onto the vocabulary; may share its weight with the embedding."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return linear(hidden, self.weight)
+        return self.gemm(hidden, self.weight)
 
 
 class RMSNorm(nn.Module):

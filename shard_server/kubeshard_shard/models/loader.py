@@ -12,29 +12,25 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator, Protocol
 
 import torch
 from safetensors import safe_open
 
-from kubeshard_shard.models.config import CheckpointError, ModelConfig, load_model_config
+from kubeshard_shard.models.config import CheckpointError, ModelConfig
+from kubeshard_shard.models.layers import bind_gemm
 from kubeshard_shard.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+class ShardingPass(Protocol):
+    """What a sharding strategy does to a model while it loads (``distributed.strategy``)."""
 
+    def apply(self, model: LlamaForCausalLM) -> None:
+        """Swaps layers on the meta device, before anything is allocated."""
 
-def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto`` keeps the checkpoint's dtype on CUDA and uses float32 on CPU, where
-    half-precision matmuls are slow or unsupported on many machines."""
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return DTYPES.get(str(config.torch_dtype), torch.bfloat16)
-    if name not in DTYPES:
-        raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got '{name}'")
-    return DTYPES[name]
+    def load_weights(self, model: LlamaForCausalLM, checkpoint: "SafetensorsCheckpoint") -> None:
+        """Fills this process's share of the parameters."""
 
 
 @dataclass
@@ -97,22 +93,24 @@ class _CheckedSlice:
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-                strategy_pass: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
+                sharding: ShardingPass | None = None, gemm=None) -> LlamaForCausalLM:
     """Builds the model on the meta device, applies a sharding pass, then allocates
-    (uninitialized) parameters on ``device``."""
+    (uninitialized) parameters on ``device``; ``gemm`` is the process's GEMM."""
     cls = MODEL_REGISTRY[config.family]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = cls(config, max_positions)
-            if strategy_pass is not None:  # swaps layers while nothing is allocated
-                strategy_pass(model)
+            if sharding is not None:  # swaps layers while nothing is allocated
+                sharding.apply(model)
         model.to_empty(device=device)
     finally:
         torch.set_default_dtype(previous)
     model.tie_weights()
     model.rotary.materialize(device, dtype)
+    if gemm is not None:
+        bind_gemm(model, gemm)
     model.eval()
     return model
 
@@ -161,15 +159,14 @@ def load_weights(model: LlamaForCausalLM, checkpoint: SafetensorsCheckpoint) -> 
             raise CheckpointError(f"{checkpoint.folder}: parameter {name} holds NaN or infinite values")
 
 
-def load_model(model_dir: Path, device: torch.device, dtype_name: str = "auto", max_positions: int = 4096,
-               strategy_pass: Callable[[LlamaForCausalLM], None] | None = None,
-               config: ModelConfig | None = None,
-               load_weights_fn: Callable[[LlamaForCausalLM, SafetensorsCheckpoint], None] | None = None,
-               ) -> LlamaForCausalLM:
-    """``load_weights_fn`` replaces the per-parameter loading (zero3 reads flat partitions)."""
-    config = config or load_model_config(model_dir)
-    dtype = resolve_dtype(dtype_name, config, device)
+def load_model(model_dir: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               max_positions: int = 4096, sharding: ShardingPass | None = None, gemm=None) -> LlamaForCausalLM:
+    """Builds the model and fills it from the checkpoint (all of it, or the share
+    ``sharding`` keeps)."""
     checkpoint = SafetensorsCheckpoint.open(model_dir)
-    model = build_model(config, device, dtype, max_positions, strategy_pass)
-    (load_weights_fn or load_weights)(model, checkpoint)
+    model = build_model(config, device, dtype, max_positions, sharding, gemm)
+    if sharding is not None:
+        sharding.load_weights(model, checkpoint)
+    else:
+        load_weights(model, checkpoint)
     return model

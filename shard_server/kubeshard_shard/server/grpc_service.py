@@ -17,7 +17,7 @@ import grpc
 from kubeshard_proto import pb, pb_grpc
 from kubeshard_shard import __version__
 from kubeshard_shard.engine.async_engine import AsyncEngine, EngineFailed, EngineOverloaded, EngineUnavailable
-from kubeshard_shard.engine.factory import ServedModel
+from kubeshard_shard.server.factory import ServedModel
 from kubeshard_shard.engine.llm_engine import EngineStats, TokenOutput
 from kubeshard_shard.engine.request import RequestError, check_prompt, make_sampling_params
 from kubeshard_shard.engine.sequence import FinishReason, SamplingParams
@@ -86,7 +86,7 @@ def token_message(out: TokenOutput) -> pb.Token:
 
 def stats_message(s: EngineStats) -> pb.StatsResponse:
     msg = _stats(s)
-    msg.ranks.extend(_stats(r) for r in s.streams)
+    msg.ranks.extend(_stats(r) for r in s.lanes)
     return msg
 
 

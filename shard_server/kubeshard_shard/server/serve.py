@@ -11,17 +11,16 @@ import asyncio
 import logging
 import queue
 import signal
-import sys
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kubeshard_proto import pb, pb_grpc
+from kubeshard_shard.config import ListenConfig
 from kubeshard_shard.engine.async_engine import AsyncEngine
-from kubeshard_shard.engine.factory import ServedModel
+from kubeshard_shard.server.factory import ServedModel
 from kubeshard_shard.server.grpc_service import GroupInfo, TextGenerationService
 from kubeshard_shard.server.metrics import EngineMetrics
 
@@ -36,15 +35,6 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-
-
-@dataclass
-class ListenConfig:
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int | None = 9400
-    drain_seconds: float = 30.0
 
 
 class HealthReporter:
@@ -81,6 +71,48 @@ def install_signal_handlers(on_signal: Callable[[], None]) -> None:
         signal.signal(sig, lambda signum, frame: on_signal())
 
 
+class Handoff:
+    """What the main thread (the engine loop) and the server thread (gRPC, asyncio) pass
+    each other: the loaded engine one way; a stop request, the exit code or the error
+    the other way."""
+
+    def __init__(self) -> None:
+        self._engines: queue.Queue = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.code = 1
+        self.error: BaseException | None = None
+
+    # the server thread
+    def bind(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        """Called once the server's event loop runs; returns the event a stop sets."""
+        self._loop, self._stop = loop, asyncio.Event()
+        return self._stop
+
+    def give_engine(self, engine: AsyncEngine | None) -> None:
+        """Hands the loaded engine to the main thread (None: there will be none)."""
+        self._engines.put(engine)
+
+    def finish(self, code: int) -> None:
+        self.code = code
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+
+    # the main thread
+    def request_stop(self) -> None:
+        """SIGTERM/SIGINT: asks the server to drain and stop (a no-op before it runs)."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    def take_engine(self) -> AsyncEngine | None:
+        while True:  # a timeout, so that signals are handled while we wait
+            try:
+                return self._engines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+
 def run_leader(model_id: str, revision: str, group: GroupInfo, listen: ListenConfig,
                load: Callable[[], ServedModel]) -> int:
     """Serves one model replica from this process until SIGTERM; returns the exit code.
@@ -88,43 +120,31 @@ def run_leader(model_id: str, revision: str, group: GroupInfo, listen: ListenCon
     The engine loop runs in this (the main) thread, gRPC and asyncio in a second one
     (see ``engine.async_engine`` for why). ``load`` runs in a third while the health
     port already answers NOT_SERVING."""
-    handoff: queue.Queue = queue.Queue()
-    shared: dict = {}
-
-    def on_signal() -> None:
-        loop, stop = shared.get("loop"), shared.get("stop")
-        if loop is not None and stop is not None:
-            loop.call_soon_threadsafe(stop.set)
+    handoff = Handoff()
 
     def server_thread() -> None:
         try:
-            shared["code"] = asyncio.run(_serve(model_id, revision, group, listen, load, handoff, shared))
+            handoff.finish(asyncio.run(_serve(model_id, revision, group, listen, load, handoff)))
         except BaseException as exc:  # handed to the main thread, which re-raises it
-            shared["error"] = exc
+            handoff.fail(exc)
         finally:
-            handoff.put(None)
+            handoff.give_engine(None)
 
-    install_signal_handlers(on_signal)
+    install_signal_handlers(handoff.request_stop)
     thread = threading.Thread(target=server_thread, name="grpc-server", daemon=True)
     thread.start()
-    while True:  # a timeout, so that signals are handled while we wait
-        try:
-            engine = handoff.get(timeout=0.5)
-            break
-        except queue.Empty:
-            continue
+    engine = handoff.take_engine()
     if engine is not None:
         engine.run()
     thread.join()
-    if "error" in shared:
-        raise shared["error"]
-    return shared.get("code", 1)
+    if handoff.error is not None:
+        raise handoff.error
+    return handoff.code
 
 
 async def _serve(model_id: str, revision: str, group: GroupInfo, listen: ListenConfig,
-                 load: Callable[[], ServedModel], handoff: queue.Queue, shared: dict) -> int:
-    stop = asyncio.Event()
-    shared["loop"], shared["stop"] = asyncio.get_running_loop(), stop
+                 load: Callable[[], ServedModel], handoff: Handoff) -> int:
+    stop = handoff.bind(asyncio.get_running_loop())
     service = TextGenerationService(model_id, revision, group)
     server, health_reporter, port = await open_grpc_server(listen, service)
     log.info("gRPC listening on %s:%d (NOT_SERVING while loading)", listen.host, port)
@@ -136,9 +156,9 @@ async def _serve(model_id: str, revision: str, group: GroupInfo, listen: ListenC
         raise
     metrics = EngineMetrics(model_id, lambda: engine.stats)
     engine = AsyncEngine(served.engine, served.config.max_concurrent_requests, on_step=metrics.on_step,
-                         on_idle=served.on_idle, on_stop=served.on_stop)
+                         on_idle=served.strategy.heartbeat, on_stop=served.strategy.stop)
     engine.bind(asyncio.get_running_loop())
-    handoff.put(engine)  # the main thread runs the engine loop from here on
+    handoff.give_engine(engine)  # the main thread runs the engine loop from here on
     service.attach(served, engine, metrics)
     if listen.metrics_port is not None:
         metrics.serve(listen.metrics_host, listen.metrics_port)
@@ -213,8 +233,3 @@ async def _track_health(engine: AsyncEngine, reporter: HealthReporter) -> None:
     await reporter.set(False)
     # leave the failed engine answering errors briefly so in-flight streams end cleanly
     await asyncio.sleep(0.5)
-
-
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,131 @@
+"""How this process computes, resolved once from the config and the machine.
+
+``resolve_compute`` picks the device (a group's rank takes its own GPU), the dtype, the
+GEMM path and the decode-attention kernel, and the model runner and layers receive the
+result; nothing decides these later from globals or the environment.
+
+The GEMM: oneDNN's fused linear (the kernel torch.compile's CPU backend calls) runs
+float32 GEMMs about 2x faster than the MKL path ``F.linear`` takes on AMD CPUs, where
+MKL falls back to generic code. Its bfloat16 kernels need AVX-512 BF16 or AMX: on
+other CPUs oneDNN cannot even build the primitive, so bfloat16 goes through
+``F.linear`` there (slower, and it works on every x86-64 CPU). Each choice is checked
+once against ``F.linear`` on a small product before it is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kubeshard_shard.config import EngineConfig, Placement
+from kubeshard_shard.engine import kernels
+from kubeshard_shard.hardware import CpuFeatures
+from kubeshard_shard.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def torch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def onednn_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dim() != 2:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class Compute:
+    device: torch.device
+    dtype: torch.dtype
+    gemm: Gemm
+    gemm_name: str                      # "onednn" or "torch" (for logs and Info)
+    decode_kernel: Callable | None      # the compiled CPU decode attention, if any
+    cpu: CpuFeatures
+
+
+def resolve_device(name: str, placement: Placement | None = None) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was requested but no CUDA device is available")
+        if device.index is None and placement is not None:  # one GPU per rank
+            device = torch.device("cuda", placement.rank % torch.cuda.device_count())
+    return device
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto`` keeps the checkpoint's dtype on CUDA and uses float32 on CPU, where
+    half-precision matmuls are slow or unsupported on many machines."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(str(model_config.torch_dtype), torch.bfloat16)
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got '{name}'")
+    return DTYPES[name]
+
+
+def _onednn_works(dtype: torch.dtype) -> bool:
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+        got = onednn_gemm(x.to(dtype), w.to(dtype), b.to(dtype)).float()
+        want = F.linear(x.to(dtype).float(), w.to(dtype).float(), b.to(dtype).float())
+        return bool(torch.allclose(got, want, atol=0.05 if dtype != torch.float32 else 1e-5))
+    except Exception:  # e.g. "could not create a primitive descriptor" on CPUs without BF16
+        return False
+
+
+def choose_gemm(choice: str, device: torch.device, dtype: torch.dtype, cpu: CpuFeatures) -> tuple[Gemm, str]:
+    if device.type != "cpu" or choice == "torch":
+        return torch_gemm, "torch"
+    eligible = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.native_bf16)
+    if choice == "onednn" and not eligible:
+        raise ValueError(f"--cpu-gemm onednn: oneDNN has no {str(dtype).removeprefix('torch.')} GEMM on this CPU "
+                         f"({cpu.describe()}); use --cpu-gemm auto or torch")
+    if eligible and _onednn_works(dtype):
+        return onednn_gemm, "onednn"
+    if choice == "onednn":
+        raise ValueError("--cpu-gemm onednn: oneDNN's linear kernel is unavailable in this torch build")
+    return torch_gemm, "torch"
+
+
+def configure_threads(num_threads: int | None) -> None:
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(num_threads or available)
+
+
+def resolve_compute(config: EngineConfig, model_config: ModelConfig,
+                    placement: Placement | None = None) -> Compute:
+    """Resolves the device, dtype, GEMM and decode kernel; builds the kernel now (a first
+    build takes a while, so a group member does this before joining its peers)."""
+    device = resolve_device(config.device, placement)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        configure_threads(config.num_threads)
+    dtype = resolve_dtype(config.dtype, model_config, device)
+    cpu = CpuFeatures.detect()
+    gemm, gemm_name = choose_gemm(config.cpu_gemm, device, dtype, cpu)
+    kernel = None
+    if device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels:
+        kernel = kernels.load()
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.native_bf16:
+        log.warning("this CPU (%s) has no native bfloat16 arithmetic: bfloat16 runs on the portable path, "
+                    "slower than float32 here", cpu.describe())
+    return Compute(device, dtype, gemm, gemm_name, kernel, cpu)

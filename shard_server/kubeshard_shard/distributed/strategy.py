@@ -1,0 +1,234 @@
+"""A sharding strategy: one object that says how a process of a group computes.
+
+The model code holds no strategy. A strategy is handed to the engine at construction
+and answers every question that depends on it:
+
+- before joining its peers: ``check`` the model's sizes; then ``join`` the group's
+  communicator;
+- while loading: ``apply`` a pass over the model on the
+  meta device, ``load_weights`` of this rank's share, ``kv_heads`` this rank keeps,
+  ``lanes`` (per-rank schedulers) the leader drives, ``agree_blocks`` on one KV pool size;
+- per engine step on the leader: ``execute`` the step's inputs (one per lane), sending
+  them to the other ranks first; on a follower: ``follow`` the leader's steps;
+- around the loop: ``heartbeat`` while idle, ``stop`` at the end, ``comm_seconds``.
+
+``Single`` is a group of one. ``Tensor`` keeps each rank's slice of every weight (one
+lane; the leader samples). ``Zero3`` keeps 1/N of every layer's parameters and
+gathers a layer just before use; every rank runs its own lane (data parallel).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+import torch
+
+from kubeshard_shard.config import Placement
+from kubeshard_shard.distributed.comm import Comm
+from kubeshard_shard.distributed.step_channel import Command, StepChannel, empty_inputs
+from kubeshard_shard.distributed.tensor_parallel import apply_tensor_parallel, check_divisible, local_kv_heads
+from kubeshard_shard.distributed.zero3 import Zero3Partitions
+from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs
+from kubeshard_shard.models.config import ModelConfig
+from kubeshard_shard.models.loader import SafetensorsCheckpoint, load_weights
+
+log = logging.getLogger(__name__)
+
+Logits = list[torch.Tensor | None]
+
+
+class Strategy(Protocol):
+    name: str
+    shards: int
+    rank: int
+    lanes: int
+
+    def check(self, model_config: ModelConfig) -> None: ...
+    def join(self, comm: Comm) -> None: ...
+    def apply(self, model) -> None: ...
+    def load_weights(self, model, checkpoint: SafetensorsCheckpoint) -> None: ...
+    def kv_heads(self, model_config: ModelConfig) -> int: ...
+    def agree_blocks(self, num_blocks: int) -> int: ...
+    def parameter_bytes(self, model) -> list[int]: ...
+    def execute(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits: ...
+    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool]) -> int: ...
+    def heartbeat(self) -> None: ...
+    def stop(self) -> None: ...
+
+    @property
+    def comm_seconds(self) -> float: ...
+
+
+def _resident(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Single:
+    """A group of one process: the whole model, one lane, nobody to talk to."""
+
+    shards, rank, lanes = 1, 0, 1
+    comm_seconds = 0.0
+
+    def __init__(self, name: str = "tensor") -> None:
+        self.name = name  # what Info reports: the strategy asked for, over one shard
+
+    def check(self, model_config: ModelConfig) -> None:
+        pass
+
+    def join(self, comm: Comm) -> None:
+        raise RuntimeError("a group of one has no peers to join")
+
+    def apply(self, model) -> None:
+        pass
+
+    def load_weights(self, model, checkpoint: SafetensorsCheckpoint) -> None:
+        load_weights(model, checkpoint)
+
+    def kv_heads(self, model_config: ModelConfig) -> int:
+        return model_config.num_key_value_heads
+
+    def agree_blocks(self, num_blocks: int) -> int:
+        return num_blocks
+
+    def parameter_bytes(self, model) -> list[int]:
+        return [_resident(model)]
+
+    def execute(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits:
+        return [runner.run(inputs[0])]
+
+    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool]) -> int:
+        raise RuntimeError("a group of one has no leader to follow")
+
+    def heartbeat(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class _Group:
+    """What the strategies of a real group share: the step channel to the followers,
+    the pool-size agreement, heartbeats and the follower's loop. ``run_step`` is the
+    strategy's own math, the same on every rank."""
+
+    name = ""
+
+    def __init__(self, placement: Placement) -> None:
+        self.shards, self.rank = placement.shards, placement.rank
+        self.comm: Comm | None = None
+        self.channel: StepChannel | None = None
+
+    def join(self, comm: Comm) -> None:
+        self.comm, self.channel = comm, StepChannel(comm)
+
+    @property
+    def comm_seconds(self) -> float:
+        return self.comm.comm_seconds
+
+    def run_step(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits:
+        raise NotImplementedError
+
+    def execute(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits:
+        self.channel.send_step(inputs)
+        return self.run_step(runner, inputs)
+
+    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool]) -> int:
+        """Executes each step the leader sends until it says stop (or, after SIGTERM,
+        until the drain deadline passes without the leader's stop)."""
+        while True:
+            if should_stop():
+                log.warning("rank %d: the leader did not stop the group in time; exiting", self.rank)
+                return 0
+            command, inputs = self.channel.receive()
+            if command is Command.STOP:
+                log.info("rank %d: the leader stopped the group", self.rank)
+                return 0
+            if command is Command.STEP:
+                self.run_step(runner, inputs)
+
+    def heartbeat(self) -> None:
+        self.channel.send_heartbeat()
+
+    def stop(self) -> None:
+        self.channel.send_stop()
+
+    def agree_blocks(self, num_blocks: int) -> int:
+        return self.comm.min_int(num_blocks)
+
+    def parameter_bytes(self, model) -> list[int]:
+        return [row[0] for row in self.comm.all_gather_ints([self.resident_bytes(model)])]
+
+    def resident_bytes(self, model) -> int:
+        return _resident(model)
+
+
+class Tensor(_Group):
+    name, lanes = "tensor", 1
+
+    def check(self, model_config: ModelConfig) -> None:
+        check_divisible(model_config, self.shards)
+
+    def apply(self, model) -> None:
+        apply_tensor_parallel(model, self.comm)
+
+    def load_weights(self, model, checkpoint: SafetensorsCheckpoint) -> None:
+        load_weights(model, checkpoint)  # each parallel layer reads only its slice
+
+    def kv_heads(self, model_config: ModelConfig) -> int:
+        return local_kv_heads(model_config, self.rank, self.shards)[1]
+
+    def run_step(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits:
+        return [runner.run(inputs[0])]  # followers' logits are empty: only the leader samples
+
+
+class Zero3(_Group):
+    name = "zero3"
+
+    def __init__(self, placement: Placement) -> None:
+        super().__init__(placement)
+        self.lanes = placement.shards
+        self.offload = placement.offload
+        self.partitions: Zero3Partitions | None = None
+
+    def join(self, comm: Comm) -> None:
+        super().join(comm)
+        self.partitions = Zero3Partitions(comm, offload=self.offload)
+
+    def check(self, model_config: ModelConfig) -> None:
+        pass  # flat partitions are padded: any size splits
+
+    def apply(self, model) -> None:
+        self.partitions.apply(model)
+
+    def load_weights(self, model, checkpoint: SafetensorsCheckpoint) -> None:
+        self.partitions.load(model, checkpoint)
+
+    def kv_heads(self, model_config: ModelConfig) -> int:
+        return model_config.num_key_value_heads
+
+    def resident_bytes(self, model) -> int:
+        return self.partitions.resident_bytes()
+
+    def run_step(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits:
+        """Every rank runs its own lane's inputs (or none: it still joins the layer
+        gathers); the leader gathers every lane's logits."""
+        logits = runner.run(inputs[self.rank] or empty_inputs())
+        rows = [0 if x is None else x.logits_indices.numel() for x in inputs]
+        if max(rows) == 0:
+            return [None] * len(inputs)
+        gathered = self.comm.gather_rows(logits, rows)
+        if gathered is None:
+            return [None] * len(inputs)
+        return [g if x is not None else None for g, x in zip(gathered, inputs)]
+
+
+STRATEGIES: dict[str, type[_Group]] = {"tensor": Tensor, "zero3": Zero3}
+
+
+def make_strategy(placement: Placement) -> Strategy:
+    """The strategy of a process: ``Single`` in a group of one, else by name (not yet
+    joined: ``check`` works now, ``join`` once the communicator exists)."""
+    if placement.shards == 1:
+        return Single(placement.strategy)
+    return STRATEGIES[placement.strategy](placement)

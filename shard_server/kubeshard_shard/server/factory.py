@@ -1,0 +1,118 @@
+"""Builds a served model from an ``EngineConfig`` and a strategy: compute plan, model,
+tokenizer, limits, KV pool, engine. What is built at start lives here; what runs per
+step lives in ``engine/``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from kubeshard_shard.compute import Compute, resolve_compute
+from kubeshard_shard.config import EngineConfig, MemoryBudget
+from kubeshard_shard.distributed.strategy import Single, Strategy
+from kubeshard_shard.engine.attention import KVCache
+from kubeshard_shard.engine.llm_engine import Lane, LLMEngine
+from kubeshard_shard.engine.model_runner import ModelRunner
+from kubeshard_shard.engine.request import Limits
+from kubeshard_shard.models.config import ModelConfig, load_model_config
+from kubeshard_shard.models.loader import load_model
+from kubeshard_shard.tokenizer import ModelTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOTAL_TOKENS = 4096
+DEFAULT_CPU_KV_BUDGET = MemoryBudget(fraction=0.1)
+DEFAULT_CUDA_KV_BUDGET = MemoryBudget(fraction=0.9)
+
+
+@dataclass
+class ServedModel:
+    engine: LLMEngine
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: ModelTokenizer
+    limits: Limits
+    compute: Compute
+    num_kv_blocks: int
+    strategy: Strategy
+    rank_parameter_bytes: list[int]
+
+    @property
+    def device(self) -> torch.device:
+        return self.compute.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute.dtype
+
+
+def resolve_limits(config: EngineConfig, model_config: ModelConfig) -> Limits:
+    max_pos = model_config.max_position_embeddings
+    max_total = config.max_total_tokens or min(max_pos, DEFAULT_MAX_TOTAL_TOKENS)
+    if max_total > max_pos:
+        raise ValueError(f"--max-total-tokens ({max_total}) exceeds the model's max_position_embeddings ({max_pos})")
+    if model_config.sliding_window and max_total > model_config.sliding_window:
+        raise ValueError(
+            f"--max-total-tokens ({max_total}) exceeds the model's sliding_window ({model_config.sliding_window}); "
+            "kubeshard does not implement sliding-window attention, so it serves at most that many tokens")
+    max_input = config.max_input_tokens or max_total - 1
+    if max_input >= max_total:
+        raise ValueError(f"--max-input-tokens ({max_input}) must be less than --max-total-tokens ({max_total})")
+    return Limits(max_input_tokens=max_input, max_total_tokens=max_total)
+
+
+def kv_cache_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, dtype: torch.dtype,
+                    device: torch.device, limits: Limits) -> int:
+    per_block = KVCache.bytes_per_block(model_config.num_hidden_layers, config.block_size, num_kv_heads,
+                                        model_config.head_dim, dtype)
+    if device.type == "cuda":
+        budget = config.kv_cache_memory or DEFAULT_CUDA_KV_BUDGET
+        free, total = torch.cuda.mem_get_info(device)
+        nbytes = budget.resolve(total) if budget.bytes is not None else int(budget.fraction * free)
+    else:
+        budget = config.kv_cache_memory or DEFAULT_CPU_KV_BUDGET
+        nbytes = budget.resolve(psutil.virtual_memory().total)
+    num_blocks = nbytes // per_block
+    # No use for more blocks than every sequence at full length could fill.
+    ceiling = config.max_num_seqs * -(-limits.max_total_tokens // config.block_size)
+    num_blocks = min(num_blocks, ceiling)
+    need = -(-limits.max_total_tokens // config.block_size)
+    if num_blocks < need:
+        raise ValueError(
+            f"--kv-cache-memory gives {num_blocks} blocks of {config.block_size} tokens ({per_block} bytes each), "
+            f"but one request of max_total_tokens ({limits.max_total_tokens}) needs {need}; raise "
+            f"--kv-cache-memory or lower --max-total-tokens")
+    return int(num_blocks)
+
+
+def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
+                       compute: Compute | None = None) -> ServedModel:
+    """Loads this process's share of the model and preallocates its KV pool. A group
+    member passes its strategy (and the compute plan it resolved before joining)."""
+    strategy = strategy or Single()
+    model_config = load_model_config(config.model_dir)
+    compute = compute or resolve_compute(config, model_config)
+    tokenizer = load_tokenizer(config.model_dir, model_config)
+    limits = resolve_limits(config, model_config)
+    strategy.check(model_config)
+    model = load_model(config.model_dir, model_config, compute.device, compute.dtype,
+                       max_positions=limits.max_total_tokens, sharding=strategy, gemm=compute.gemm)
+    kv_heads = strategy.kv_heads(model_config)
+    # every rank of a group uses the same pool size
+    num_blocks = strategy.agree_blocks(kv_cache_blocks(config, model_config, kv_heads, compute.dtype,
+                                                       compute.device, limits))
+    cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
+                    model_config.head_dim, compute.dtype, compute.device)
+    runner = ModelRunner(model, cache, compute.device, compute.decode_kernel)
+    lanes = [Lane.create(i, num_blocks, config.block_size, config.enable_prefix_caching, config.max_batch_tokens,
+                         config.max_num_seqs) for i in range(strategy.lanes)]
+    engine = LLMEngine(runner, tokenizer, lanes, strategy)
+    log.info("loaded %s (%s, %s on %s, GEMM %s, decode kernel %s): %d KV blocks of %d tokens; limits input %d, "
+             "total %d", config.model_id, model_config.architecture, str(compute.dtype).removeprefix("torch."),
+             compute.device, compute.gemm_name, "on" if compute.decode_kernel else "off", num_blocks,
+             config.block_size, limits.max_input_tokens, limits.max_total_tokens)
+    return ServedModel(engine, config, model_config, tokenizer, limits, compute, num_blocks, strategy,
+                       strategy.parameter_bytes(model))
