@@ -1,4 +1,5 @@
-"""The FastAPI app factory: wires the router's parts and maps every error to JSON."""
+"""The FastAPI app factory: builds the router's parts (``RouterState``), mounts the TGI and
+OpenAI routes, and maps every error to JSON."""
 
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
 
     @app.exception_handler(RouterError)
     async def on_router_error(request: Request, exc: RouterError) -> Response:
-        model = getattr(request.state, "kubeshard_model", None)
-        return error_response(exc, api_of(request.url.path), state, model, route_of(request.url.path))
+        return error_response(exc, api_of(request.url.path), state.metrics, exc.model,
+                              route_of(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> Response:
@@ -82,7 +83,7 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
         for err in exc.errors()[:3]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "path", "query"))
             parts.append(f"`{loc or 'request'}`: {err.get('msg', 'invalid')}")
-        return error_response(ValidationFailed("; ".join(parts)), api_of(request.url.path), state)
+        return error_response(ValidationFailed("; ".join(parts)), api_of(request.url.path), state.metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -97,7 +98,7 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         err = RouterError(f"internal router error ({type(exc).__name__}); see the router log")
-        return error_response(err, api_of(request.url.path), state)
+        return error_response(err, api_of(request.url.path), state.metrics)
 
     cached: dict = {}
 

@@ -16,6 +16,7 @@ class RouterError(Exception):
     status = 500
     error_type = "internal"
     openai_type = "server_error"
+    model: Optional[str] = None  # the model the failed request was for, once known
 
     def __init__(self, message: str, *, param: Optional[str] = None,
                  headers: Optional[dict[str, str]] = None, code: Optional[str] = None) -> None:
@@ -24,6 +25,11 @@ class RouterError(Exception):
         self.param = param
         self.headers = headers or {}
         self.code = code
+
+    def for_model(self, model: str) -> "RouterError":
+        """Names the model the failed request was for (it labels the error's request count)."""
+        self.model = model
+        return self
 
     def tgi_body(self) -> dict:
         return {"error": self.message, "error_type": self.error_type}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 import orjson
@@ -11,11 +10,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kubeshard_router.errors import RouterError
+from kubeshard_router.metrics import RouterMetrics
 
 if TYPE_CHECKING:
+    from kubeshard_router.intake import Intake
     from kubeshard_router.state import RouterState
-
-log = logging.getLogger("kubeshard.router.http")
 
 
 class ORJSONResponse(Response):
@@ -27,6 +26,10 @@ class ORJSONResponse(Response):
 
 def get_state(request: Request) -> "RouterState":
     return request.app.state.kubeshard
+
+
+def get_intake(request: Request) -> "Intake":
+    return get_state(request).intake
 
 
 def api_of(path: str) -> str:
@@ -42,10 +45,11 @@ def route_of(path: str) -> str:
     return "/" if path == "/" or path.startswith("/models/") else path
 
 
-def error_response(exc: RouterError, api: str, state: Optional["RouterState"] = None,
+def error_response(exc: RouterError, api: str, metrics: Optional[RouterMetrics] = None,
                    model: Optional[str] = None, route: Optional[str] = None) -> Response:
-    if state is not None:
-        state.count(model or "-", route or "-", exc.status)
+    """The error as the API's JSON; counted in ``metrics`` when given."""
+    if metrics is not None:
+        metrics.count_request(model or "-", route or "-", exc.status)
     return Response(exc.body(api), status_code=exc.status, headers=exc.headers,
                     media_type="application/json")
 

@@ -1,11 +1,14 @@
 """What every generation route does around generating, whatever its API (TGI, OpenAI).
 
-Before: authenticate, read and parse the body, resolve the model, wait until its
-tokenizer and limits are known, plan the engine request, and take the rate-limit cost —
-a refusal at any point counts as a failed request of that model and re-raises. After:
-record the outcome, refund the tokens the request did not use, count the status.
-Streaming: an error before the first token re-raises (the response becomes a plain HTTP
-error); after it, the stream ends with the API's error event.
+``Intake`` is built once from the router's wired parts. Before generating, ``admit``
+authenticates, reads and parses the body, resolves the model, waits until its tokenizer
+and limits are known, plans the engine request with the API's own plan function, and
+takes the rate-limit cost; a refusal at any point counts as a failed request of that
+model and re-raises, naming the model on the error once it is known. It returns an
+``Admitted`` record. ``events`` (streaming) and ``collect`` then generate, record the
+outcome, refund the tokens the request did not use and count the status. Streaming: an
+error before the first token re-raises (the response becomes a plain HTTP error); after
+it, the stream ends with the API's error event.
 """
 
 from __future__ import annotations
@@ -13,45 +16,191 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Generic, Optional, Protocol, TypeVar
 
 from fastapi import Request
 
 from kubeshard_proto import pb
+from kubeshard_router.activation import Activator
+from kubeshard_router.auth import ApiKey, ApiKeys
 from kubeshard_router.backends.model import ModelState
+from kubeshard_router.backends.registry import Registry
 from kubeshard_router.cache import CacheControl
+from kubeshard_router.config import RouterConfig
 from kubeshard_router.dispatch import RequestContext
-from kubeshard_router.errors import RouterError
-from kubeshard_router.http import get_state
+from kubeshard_router.engine_request import EngineRequest
+from kubeshard_router.errors import ModelNotFound, NoBackend, PayloadTooLarge, RouterError, ValidationFailed
+from kubeshard_router.generation import GenerationService
+from kubeshard_router.metrics import RouterMetrics
+from kubeshard_router.ratelimit import RateLimiter
+from kubeshard_router.tokenization import ModelTokenizer
+from kubeshard_router.validation import Limits, RequestBody, parse_body
 
 log = logging.getLogger("kubeshard.router.http")
 
+DEFAULT_ALIAS = "tgi"  # the `model` the text-generation client's chat() sends
 
-@dataclass
-class Intake:
-    """An admitted request of one route; the API module renders its answer."""
 
-    state: Any
+class Plan(Protocol):
+    """What the intake reads of an API's plan (``TgiPlan``, ``OpenAIPlan``)."""
+
+    @property
+    def engine(self) -> EngineRequest: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+
+B = TypeVar("B", bound=RequestBody)
+P = TypeVar("P", bound=Plan)
+
+
+@dataclass(slots=True)
+class Admitted(Generic[B, P]):
+    """One admitted request of one route; the API module renders its answer."""
+
     route: str
+    body: B
+    plan: P
     model: ModelState
     ctx: RequestContext
-    plan: Any                 # the API's plan; ``plan.engine`` is the engine request
     control: CacheControl
-    key: Any
-    bucket: Optional[str]
+    key: Optional[ApiKey]
+    bucket: Optional[str]  # the rate-limit bucket charged, None when no limit applies
 
-    def finish(self, error_type: Optional[str], started: bool) -> None:
+
+class Intake:
+    def __init__(self, config: RouterConfig, registry: Registry, activator: Activator,
+                 generation: GenerationService, ratelimiter: RateLimiter, metrics: RouterMetrics,
+                 api_keys: Optional[ApiKeys]) -> None:
+        self.config = config
+        self.registry = registry
+        self.activator = activator
+        self.generation = generation
+        self.ratelimiter = ratelimiter
+        self.metrics = metrics
+        self.api_keys = api_keys
+
+    # before: steps ------------------------------------------------------------------------
+
+    def authenticate(self, request: Request) -> Optional[ApiKey]:
+        if self.api_keys is None:
+            return None
+        return self.api_keys.authenticate(request.headers.get("authorization"))
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def default_model(self) -> Optional[str]:
+        if self.config.default_model:
+            return self.config.default_model
+        if len(self.registry.models) == 1:
+            return next(iter(self.registry.models))
+        return None
+
+    def resolve(self, name: Optional[str]) -> ModelState:
+        models = self.registry.models
+        if name and name in models:
+            return models[name]
+        if not name or name == DEFAULT_ALIAS:
+            default = self.default_model()
+            if default is None:
+                raise ValidationFailed("`model` is required: this router serves "
+                                       + ", ".join(f"`{m}`" for m in sorted(models)), param="model")
+            model = models.get(default)
+            if model is None:
+                raise ModelNotFound(default, list(models))
+            return model
+        raise ModelNotFound(name, list(models))
+
+    async def prepared(self, model: ModelState) -> tuple[ModelTokenizer, Limits]:
+        """The model's tokenizer and limits, waiting for a first replica if none was seen yet."""
+        if model.tokenizer is None or model.limits is None:
+            await self.activator.wait_ready(model)
+        if model.tokenizer is None or model.limits is None:
+            raise NoBackend(f"model `{model.name}` has no tokenizer yet: no replica answered Info")
+        return model.tokenizer, model.limits
+
+    async def _charge(self, key: Optional[ApiKey], request: Request, cost_tokens: int) -> Optional[str]:
+        """Charges the caller's rate limits; returns the bucket name used (for refunds)."""
+        rpm = self.config.rate_limit_rpm
+        tpm = self.config.rate_limit_tpm
+        if key is not None:
+            rpm = key.rpm if key.rpm is not None else rpm
+            tpm = key.tpm if key.tpm is not None else tpm
+            bucket = key.name
+        else:
+            bucket = f"ip:{request.client.host if request.client else 'unknown'}"
+        if rpm <= 0 and tpm <= 0:
+            return None
+        try:
+            await self.ratelimiter.check(bucket, rpm, tpm, cost_tokens)
+        except RouterError:
+            self.metrics.rate_limited.labels(bucket).inc()
+            raise
+        return bucket
+
+    async def admit(self, request: Request, route: str, body_type: type[B],
+                    plan: Callable[[B, ModelTokenizer, Limits], P],
+                    model_name: Optional[str] = None) -> Admitted[B, P]:
+        """Admits one request: ``model_name`` (from the path) or else the body names the model;
+        ``plan`` is the API's validation, a pure function of the body, tokenizer and limits."""
+        label = model_name or "-"
+        model: Optional[ModelState] = None
+        try:
+            key = self.authenticate(request)
+            raw = await self.read_body(request)
+            t0 = time.perf_counter()
+            body = parse_body(raw, body_type)
+            model = self.resolve(model_name or body.requested_model())
+            label = model.name
+            tokenizer, limits = await self.prepared(model)
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            ctx = RequestContext(request_id=request_id[:128], model=model.name)
+            t1 = time.perf_counter()
+            planned = plan(body, tokenizer, limits)
+            ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
+            ctx.prompt_tokens = planned.prompt_tokens
+            bucket = await self._charge(key, request, planned.prompt_tokens + planned.engine.max_new_tokens)
+        except RouterError as exc:
+            self.metrics.tgi_request_count.inc((label,))
+            self.metrics.tgi_request_failure.inc((label, exc.error_type))
+            if model is not None:
+                exc.for_model(model.name)
+            raise
+        control = CacheControl(request.headers.get("cache-control"))
+        return Admitted(route, body, planned, model, ctx, control, key, bucket)
+
+    # after: generate, then account ---------------------------------------------------------
+
+    def finish(self, admitted: Admitted, error_type: Optional[str], started: bool) -> None:
         """Called once when the request ends (streams call it from their generator)."""
-        state, name = self.state, self.model.name
-        state.generation.record(name, self.ctx, error_type)
-        state.refund(self.bucket, self.key, self.plan.engine.max_new_tokens - self.ctx.generated_tokens)
+        name, ctx, route = admitted.model.name, admitted.ctx, admitted.route
+        self.generation.record(name, ctx, error_type)
+        if admitted.bucket is not None:
+            key = admitted.key
+            tpm = key.tpm if key is not None and key.tpm is not None else self.config.rate_limit_tpm
+            self.ratelimiter.refund(admitted.bucket, tpm, admitted.plan.engine.max_new_tokens - ctx.generated_tokens)
         if started or error_type is None:
-            state.count(name, self.route, 200)
+            self.metrics.count_request(name, route, 200)
         elif error_type == "cancelled":
-            state.count(name, self.route, 499)  # the client left before the first token
+            self.metrics.count_request(name, route, 499)  # the client left before the first token
 
-    async def events(self, render: Callable[[AsyncIterator[pb.Token]], AsyncIterator[bytes]],
+    async def events(self, admitted: Admitted,
+                     render: Callable[[AsyncIterator[pb.Token]], AsyncIterator[bytes]],
                      error_event: Callable[[RouterError], bytes]) -> AsyncIterator[bytes]:
         """Streams the generation: ``render`` turns its tokens into SSE events, and
         ``error_event`` renders an error that comes after the first token."""
@@ -59,7 +208,8 @@ class Intake:
 
         async def tokens() -> AsyncIterator[pb.Token]:
             nonlocal received
-            async for t in self.state.generation.stream(self.model, self.plan.engine, self.ctx, self.control):
+            async for t in self.generation.stream(admitted.model, admitted.plan.engine, admitted.ctx,
+                                                  admitted.control):
                 received += 1
                 yield t
 
@@ -74,50 +224,25 @@ class Intake:
                 raise  # nothing sent yet: the response becomes a plain HTTP error
             yield error_event(exc)
         except Exception as exc:  # a router bug mid-stream: end with an event, never a torn stream
-            log.exception("request %s: stream failed", self.ctx.request_id)
+            log.exception("request %s: stream failed", admitted.ctx.request_id)
             error_type = "internal"
             if not received:
                 raise
             yield error_event(RouterError(f"internal router error ({type(exc).__name__})"))
         finally:
-            self.finish(error_type, received > 0)
+            self.finish(admitted, error_type, received > 0)
 
-    async def collect(self) -> list[pb.Token]:
+    async def collect(self, admitted: Admitted) -> list[pb.Token]:
         """Generates the whole answer (non-streaming routes)."""
         try:
-            tokens = await self.state.generation.collect(self.model, self.plan.engine, self.ctx, self.control)
+            tokens = await self.generation.collect(admitted.model, admitted.plan.engine, admitted.ctx,
+                                                   admitted.control)
         except RouterError as exc:
-            self.finish(exc.error_type, False)
+            self.finish(admitted, exc.error_type, False)
+            exc.for_model(admitted.model.name)
             raise
         except asyncio.CancelledError:
-            self.finish("cancelled", False)
+            self.finish(admitted, "cancelled", False)
             raise
-        self.finish(None, True)
+        self.finish(admitted, None, True)
         return tokens
-
-
-async def take_in(request: Request, route: str, parse: Callable[[bytes], Any],
-                  model_name: Callable[[Any], Optional[str]], plan: Callable[[Any, Any, Any], Any],
-                  label: str = "-") -> tuple[Any, Intake]:
-    """Admits one request: returns the parsed body and its ``Intake``."""
-    state = get_state(request)
-    try:
-        key = state.authenticate(request)
-        body = await state.read_body(request)
-        t0 = time.perf_counter()
-        req = parse(body)
-        model = state.resolve(model_name(req))
-        label = request.state.kubeshard_model = model.name
-        tokenizer, limits = await state.prepared(model)
-        ctx = state.new_context(request, model.name)
-        t1 = time.perf_counter()
-        planned = plan(req, tokenizer, limits)
-        ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
-        ctx.prompt_tokens = planned.prompt_tokens
-        bucket = await state.check_rate(key, request, planned.prompt_tokens + planned.engine.max_new_tokens)
-    except RouterError as exc:
-        state.metrics.tgi_request_count.inc((label,))
-        state.metrics.tgi_request_failure.inc((label, exc.error_type))
-        raise
-    control = CacheControl(request.headers.get("cache-control"))
-    return req, Intake(state, route, model, ctx, planned, control, key, bucket)

@@ -109,6 +109,10 @@ class RouterMetrics:
 
         self._per_model: dict[str, ModelMetrics] = {}
 
+    def count_request(self, model: str, route: str, status: int) -> None:
+        """One HTTP request answered (``model`` is ``-`` when none was resolved)."""
+        self.requests.labels(model, route, str(status)).inc()
+
     def model(self, name: str) -> "ModelMetrics":
         """The per-model children, bound once (label lookups cost more than observations)."""
         bound = self._per_model.get(name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -12,14 +12,15 @@ from kubeshard_proto import pb
 from kubeshard_router import __version__
 from kubeshard_router.backends.model import ModelState
 from kubeshard_router.dispatch import RequestContext
-from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
-from kubeshard_router.intake import take_in
+from kubeshard_router.http import ORJSONResponse, error_response, get_intake, get_state, json_body_doc
 from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrimmer, chat_logprob,
                                             trim_stop, usage)
 from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIPlan,
                                             plan_chat, plan_completion)
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
-from kubeshard_router.validation import parse_body
+
+if TYPE_CHECKING:
+    from kubeshard_router.state import RouterState
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -119,22 +120,21 @@ def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPl
 
 async def _serve(request: Request, chat: bool) -> Response:
     route = "/v1/chat/completions" if chat else "/v1/completions"
-    req, intake = await take_in(
-        request, route,
-        parse=lambda body: parse_body(body, ChatCompletionRequest if chat else CompletionRequest),
-        model_name=lambda req: req.model,
-        plan=lambda req, tokenizer, limits: (plan_chat if chat else plan_completion)(req, tokenizer, limits))
-    state, model, ctx, plan = intake.state, intake.model, intake.ctx, intake.plan
+    intake = get_intake(request)
+    admitted = (await intake.admit(request, route, ChatCompletionRequest, plan_chat) if chat
+                else await intake.admit(request, route, CompletionRequest, plan_completion))
+    req, plan, model, ctx = admitted.body, admitted.plan, admitted.model, admitted.ctx
+    metrics = intake.metrics
 
     if req.stream:
         return EventStreamResponse(
-            intake.events(lambda tokens: _events(tokens, model, plan, ctx, chat),
+            intake.events(admitted, lambda tokens: _events(tokens, model, plan, ctx, chat),
                           lambda exc: sse_event(exc.openai_body())),
-            render_error=lambda exc: error_response(exc, "openai", state, model.name, route),
+            render_error=lambda exc: error_response(exc, "openai", metrics, model.name, route),
             headers={"x-request-id": ctx.request_id, "x-kubeshard-model": model.name},
             late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
-            on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
-    tokens = await intake.collect()
+            on_disconnect=lambda: metrics.client_disconnects.labels(model.name).inc())
+    tokens = await intake.collect(admitted)
     return ORJSONResponse(_response(chat, model, ctx, plan, tokens),
                           headers={"x-request-id": ctx.request_id, "x-kubeshard-cache": ctx.cache,
                                    "x-kubeshard-model": model.name})
@@ -151,7 +151,7 @@ async def chat_completions(request: Request) -> Response:
     return await _serve(request, chat=True)
 
 
-def _model_card(state, model: ModelState) -> dict:
+def _model_card(state: "RouterState", model: ModelState) -> dict:
     info = model.info
     return {"id": model.name, "object": "model", "created": int(state.started_at), "owned_by": "kubeshard",
             "root": info.model_id if info else None, "revision": model.revision,
@@ -162,7 +162,7 @@ def _model_card(state, model: ModelState) -> dict:
 @router.get("/models", summary="Models served by this router")
 async def list_models(request: Request) -> Response:
     state = get_state(request)
-    state.authenticate(request)
+    state.intake.authenticate(request)
     return ORJSONResponse({"object": "list", "data": [_model_card(state, m) for m in
                                                      sorted(state.registry.models.values(), key=lambda m: m.name)]})
 
@@ -170,5 +170,5 @@ async def list_models(request: Request) -> Response:
 @router.get("/models/{model:path}", summary="One model")
 async def get_model(request: Request, model: str) -> Response:
     state = get_state(request)
-    state.authenticate(request)
-    return ORJSONResponse(_model_card(state, state.resolve(model)))
+    state.intake.authenticate(request)
+    return ORJSONResponse(_model_card(state, state.intake.resolve(model)))

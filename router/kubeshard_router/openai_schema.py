@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kubeshard_router.engine_request import EngineRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ChatTemplateError, ModelTokenizer
-from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, check_budget, check_seed,
-                                         check_stop, check_token_ids, schema_doc as _doc)
+from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, RequestBody, check_budget,
+                                         check_seed, check_stop, check_token_ids, schema_doc as _doc)
 
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -21,7 +21,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(RequestBody):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Optional[str] = Field(None, description="Model name; default: the router's default model.")
@@ -42,6 +42,9 @@ class _Common(BaseModel):
     top_k: Optional[int] = Field(None, description="Extension: > 0.", json_schema_extra=_doc(minimum=1))
     repetition_penalty: Optional[float] = Field(None, description="Extension: > 0.",
                                                 json_schema_extra=_doc(exclusiveMinimum=0))
+
+    def requested_model(self) -> Optional[str]:
+        return self.model
 
 
 class CompletionRequest(_Common):

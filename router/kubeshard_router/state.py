@@ -1,37 +1,30 @@
-"""The router's live parts, wired once per app, and the steps every handler shares."""
+"""The router's live parts, wired once per app: their start and stop, and the gauges read from them."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-import uuid
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
-from fastapi import Request
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from kubeshard_router.activation import Activator, LoggingScaleUpHook, ScaleUpHook
-from kubeshard_router.auth import ApiKey, ApiKeys, KeyFileWatcher, SecretKeyWatcher
-from kubeshard_router.backends.model import ModelState
+from kubeshard_router.auth import ApiKeys, KeyFileWatcher, SecretKeyWatcher
 from kubeshard_router.backends.registry import Registry
 from kubeshard_router.backends.source import BackendSource
 from kubeshard_router.balancer import Balancer
 from kubeshard_router.cache import ResponseCache
 from kubeshard_router.config import RouterConfig
 from kubeshard_router.counters import LoadPublisher, ModelLoad
-from kubeshard_router.dispatch import Dispatcher, RequestContext
-from kubeshard_router.errors import ModelNotFound, NoBackend, PayloadTooLarge, RouterError, ValidationFailed
+from kubeshard_router.dispatch import Dispatcher
 from kubeshard_router.generation import GenerationService
+from kubeshard_router.intake import Intake
 from kubeshard_router.metrics import RouterMetrics
 from kubeshard_router.ratelimit import RateLimiter
 from kubeshard_router.redis_store import RedisStore
-from kubeshard_router.tokenization import ModelTokenizer
-from kubeshard_router.validation import Limits
 
 log = logging.getLogger("kubeshard.router")
-
-DEFAULT_ALIAS = "tgi"  # the `model` the text-generation client's chat() sends
 
 
 class RouterState:
@@ -62,7 +55,7 @@ class RouterState:
             self.publisher = LoadPublisher(self.store, config.router_id, self.load_snapshot,
                                            interval_s=config.counters_interval_s, ttl_s=config.counters_ttl_s)
         self.api_keys: Optional[ApiKeys] = None
-        self._key_watchers: list = []
+        self._key_watchers: list[Union[KeyFileWatcher, SecretKeyWatcher]] = []
         if config.api_keys_file or config.api_keys_secret:
             self.api_keys = ApiKeys()
             if config.api_keys_file:
@@ -70,6 +63,8 @@ class RouterState:
             if config.api_keys_secret:
                 namespace, name = config.api_keys_secret.split("/")
                 self._key_watchers.append(SecretKeyWatcher(namespace, name, self.api_keys))
+        self.intake = Intake(config, self.registry, self.activator, self.generation, self.ratelimiter,
+                             self.metrics, self.api_keys)
         self.draining = False
         self.started_at = time.time()
         self.metrics.add_gauges(self._gauges)
@@ -105,90 +100,7 @@ class RouterState:
         if self.store is not None:
             await self.store.close()
 
-    # per-request steps -------------------------------------------------------------------
-
-    def authenticate(self, request: Request) -> Optional[ApiKey]:
-        if self.api_keys is None:
-            return None
-        return self.api_keys.authenticate(request.headers.get("authorization"))
-
-    async def read_body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def default_model(self) -> Optional[str]:
-        if self.config.default_model:
-            return self.config.default_model
-        if len(self.registry.models) == 1:
-            return next(iter(self.registry.models))
-        return None
-
-    def resolve(self, name: Optional[str]) -> ModelState:
-        if name and name in self.registry.models:
-            return self.registry.models[name]
-        if not name or name == DEFAULT_ALIAS:
-            default = self.default_model()
-            if default is None:
-                raise ValidationFailed("`model` is required: this router serves "
-                                       + ", ".join(f"`{m}`" for m in sorted(self.registry.models)),
-                                       param="model")
-            model = self.registry.models.get(default)
-            if model is None:
-                raise ModelNotFound(default, list(self.registry.models))
-            return model
-        raise ModelNotFound(name, list(self.registry.models))
-
-    async def prepared(self, model: ModelState) -> tuple[ModelTokenizer, Limits]:
-        """The model's tokenizer and limits, waiting for a first replica if none was seen yet."""
-        if model.tokenizer is None or model.limits is None:
-            await self.activator.wait_ready(model)
-        if model.tokenizer is None or model.limits is None:
-            raise NoBackend(f"model `{model.name}` has no tokenizer yet: no replica answered Info")
-        return model.tokenizer, model.limits
-
-    async def check_rate(self, key: Optional[ApiKey], request: Request, cost_tokens: int) -> Optional[str]:
-        """Charges the caller's rate limits; returns the bucket name used (for refunds)."""
-        rpm = self.config.rate_limit_rpm
-        tpm = self.config.rate_limit_tpm
-        if key is not None:
-            rpm = key.rpm if key.rpm is not None else rpm
-            tpm = key.tpm if key.tpm is not None else tpm
-            bucket = key.name
-        else:
-            bucket = f"ip:{request.client.host if request.client else 'unknown'}"
-        if rpm <= 0 and tpm <= 0:
-            return None
-        try:
-            await self.ratelimiter.check(bucket, rpm, tpm, cost_tokens)
-        except RouterError:
-            self.metrics.rate_limited.labels(bucket).inc()
-            raise
-        return bucket
-
-    def refund(self, bucket: Optional[str], key: Optional[ApiKey], unused_tokens: int) -> None:
-        if bucket is None:
-            return
-        tpm = key.tpm if key is not None and key.tpm is not None else self.config.rate_limit_tpm
-        self.ratelimiter.refund(bucket, tpm, unused_tokens)
-
-    def new_context(self, request: Request, model: str) -> RequestContext:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return RequestContext(request_id=request_id[:128], model=model)
-
     # observability -----------------------------------------------------------------------
-
-    def count(self, model: str, route: str, status: int) -> None:
-        self.metrics.requests.labels(model, route, str(status)).inc()
 
     def load_snapshot(self) -> Iterable[ModelLoad]:
         for model in self.registry.models.values():

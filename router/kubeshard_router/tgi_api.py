@@ -14,11 +14,11 @@ from kubeshard_proto import pb
 from kubeshard_router import __version__
 from kubeshard_router.backends.model import ModelState
 from kubeshard_router.dispatch import RequestContext
-from kubeshard_router.http import ORJSONResponse, error_response, get_state, json_body_doc
-from kubeshard_router.intake import take_in
+from kubeshard_router.http import ORJSONResponse, error_response, get_intake, get_state, json_body_doc
 from kubeshard_router.sse import EventStreamResponse, sse_event
 from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest, TgiPlan, plan_tgi
-from kubeshard_router.validation import parse_body
+from kubeshard_router.tokenization import ModelTokenizer
+from kubeshard_router.validation import Limits
 
 router = APIRouter(tags=["TGI"])
 
@@ -104,28 +104,29 @@ async def _events(tokens: AsyncIterator[pb.Token], req: GenerateRequest, plan: T
 
 async def _generate(request: Request, model_name: Optional[str], stream: Optional[bool],
                     route: str) -> Response:
-    def streaming(req) -> bool:
-        return stream if stream is not None else bool(req.stream)  # the compat route reads the body
+    """``stream`` None: the compat route, where the body's ``stream`` decides."""
+    def streaming(req: GenerateRequest) -> bool:
+        return stream if stream is not None else isinstance(req, CompatGenerateRequest) and req.stream
 
-    req, intake = await take_in(
-        request, route,
-        parse=lambda body: parse_body(body, CompatGenerateRequest if stream is None else GenerateRequest),
-        model_name=lambda req: model_name,
-        plan=lambda req, tokenizer, limits: plan_tgi(req, tokenizer, limits, stream=streaming(req)),
-        label=model_name or "-")
-    state, model, ctx, plan = intake.state, intake.model, intake.ctx, intake.plan
-    stream = streaming(req)
-    if stream:
+    def plan_request(req: GenerateRequest, tokenizer: ModelTokenizer, limits: Limits) -> TgiPlan:
+        return plan_tgi(req, tokenizer, limits, stream=streaming(req))
+
+    intake = get_intake(request)
+    admitted = await intake.admit(request, route, CompatGenerateRequest if stream is None else GenerateRequest,
+                                  plan_request, model_name)
+    req, plan, model, ctx = admitted.body, admitted.plan, admitted.model, admitted.ctx
+    metrics = intake.metrics
+    if streaming(req):
         headers = {"x-compute-type": model.info.device_type if model.info else "unknown",
                    "x-request-id": ctx.request_id, "x-kubeshard-model": model.name}
         return EventStreamResponse(
-            intake.events(lambda tokens: _events(tokens, req, plan, ctx),
+            intake.events(admitted, lambda tokens: _events(tokens, req, plan, ctx),
                           lambda exc: sse_event(exc.tgi_body())),
-            render_error=lambda exc: error_response(exc, "tgi", state, model.name, route),
+            render_error=lambda exc: error_response(exc, "tgi", metrics, model.name, route),
             headers=headers,
             late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
-            on_disconnect=lambda: state.metrics.client_disconnects.labels(model.name).inc())
-    tokens = await intake.collect()
+            on_disconnect=lambda: metrics.client_disconnects.labels(model.name).inc())
+    tokens = await intake.collect(admitted)
     text = "".join(t.text for t in tokens if not t.special)
     answer: dict = {"generated_text": req.inputs + text if plan.return_full_text else text}
     if plan.details:
@@ -166,7 +167,7 @@ async def model_generate_stream(request: Request, model: str) -> Response:
 
 def _info(request: Request, model_name: Optional[str]) -> Response:
     state = get_state(request)
-    model = state.resolve(model_name)
+    model = state.intake.resolve(model_name)
     info = model.info
     limits = model.limits
     return ORJSONResponse({
@@ -210,7 +211,7 @@ def _health(request: Request, model_name: Optional[str]) -> Response:
     state = get_state(request)
     if state.draining:
         return ORJSONResponse({"error": "router is shutting down", "error_type": "unhealthy"}, status_code=503)
-    models = [state.resolve(model_name)] if model_name else list(state.registry.models.values())
+    models = [state.intake.resolve(model_name)] if model_name else list(state.registry.models.values())
     down = [m.name for m in models if not m.ready_replicas]
     if down:
         return ORJSONResponse({"error": "no ready replica for model(s): " + ", ".join(down),

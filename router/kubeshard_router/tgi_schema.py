@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kubeshard_router.engine_request import EngineRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ModelTokenizer
-from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, check_budget, check_seed,
-                                         check_stop, schema_doc as _doc)
+from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, RequestBody, check_budget,
+                                         check_seed, check_stop, schema_doc as _doc)
 
 
 class GenerateParameters(BaseModel):
@@ -47,7 +47,7 @@ class GenerateParameters(BaseModel):
     adapter_id: Optional[str] = Field(None, description="Not supported; must be null.")
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(RequestBody):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     inputs: str = Field(..., description="The prompt.", json_schema_extra=_doc(minLength=1))

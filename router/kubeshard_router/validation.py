@@ -33,6 +33,14 @@ class Limits:
     max_stop_sequences: int = 4
 
 
+class RequestBody(pydantic.BaseModel):
+    """A request body of one of the APIs (``GenerateRequest``, ``CompletionRequest``, ...)."""
+
+    def requested_model(self) -> Optional[str]:
+        """The model the body names; None: the route's or the router's default."""
+        return None
+
+
 def schema_doc(**constraints: object) -> dict:
     """JSON-schema keywords for /openapi.json only. The rules themselves are checked in
     code, so errors keep TGI's wording ("`temperature` must be strictly positive")."""
