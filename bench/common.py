@@ -12,8 +12,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kubeshard_shard.paths import cache_root
+
 RESULTS = Path(__file__).resolve().parent / "results"
-CACHE = Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
+CACHE = cache_root()
 
 
 def machine() -> dict:

@@ -23,14 +23,13 @@ import random
 import resource
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 import orjson
 import psutil
 
-from bench.common import RESULTS, percentile
+from bench.common import CACHE, RESULTS, percentile
 from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_proto import pb, pb_grpc
 from tests.router.processes import Proc, start, start_router, start_shard
@@ -281,8 +280,7 @@ def bench_affinity(replicas: int = 4, systems: int = 8, suffixes: int = 40, kv: 
     from tokenizers import Tokenizer
 
     from kubeshard_shard.demo_model import cached_demo_model
-    model = cached_demo_model(Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
-                              / "demo-models", arch="llama", size="tiny", seed=0)
+    model = cached_demo_model(CACHE / "demo-models", arch="llama", size="tiny", seed=0)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     prompts = _system_prompts(tokenizer, systems, 256)
     rng = random.Random(11)

@@ -10,11 +10,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from kubeshard_shard.paths import cache_root
 from tests.support.redis_server import RedisServer
 
 
@@ -33,15 +33,11 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
-
-
 @pytest.fixture(scope="session")
 def demo_model():
     from kubeshard_shard.demo_model import cached_demo_model
 
     def make(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
-        return cached_demo_model(cache_dir() / "demo-models", arch=arch, size=size, seed=seed)
+        return cached_demo_model(cache_root() / "demo-models", arch=arch, size=size, seed=seed)
 
     return make

@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from kubeshard_shard.paths import cache_root
+
 from .config import REPO_ROOT
 
 TOOLS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy",
@@ -24,7 +26,7 @@ def find_bin_dir(build: bool = True) -> Path:
         return _checked(Path(explicit), "KUBESHARD_K8S_BIN")
     script = REPO_ROOT / "hack" / "k8s-tools.sh"
     if not build:
-        cache = Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
+        cache = cache_root()
         candidates = sorted((cache / "k8s").glob("v*/bin"))
         if not candidates:
             raise FileNotFoundError(f"no Kubernetes binaries under {cache}/k8s: run `make k8s-tools`")
