@@ -1,20 +1,37 @@
 """kubeshard router: a TGI- and OpenAI-compatible HTTP/SSE front for shard-group leaders.
 
+Words: a *replica* is one shard group of a model, reached through its leader's address;
+a *stream* is one response (SSE events, or the engine's token stream behind them); a
+*flight* is one Generate call on one replica (a request retried elsewhere has several).
+Several router instances may serve the same models; Redis is what they share.
+
 Modules, one job each:
 
-- ``config``      the typed router configuration, built once by ``cli``
-- ``validation``  TGI/OpenAI request models and TGI's parameter rules
-- ``tokenization`` the per-model tokenizer and chat template (from the leader's Info)
-- ``backends/``   replica sources (static, Kubernetes), gRPC clients, the model registry
-- ``balancer``    prefix-aware consistent hashing with bounded load
-- ``admission``   per-model in-flight limit and bounded queue (429 + Retry-After)
-- ``activation``  hold requests for a model with zero ready replicas; scale-up hook
-- ``dispatch``    one generation: admission, replica choice, retries, cancellation
-- ``cache``       Redis response cache for deterministic requests
-- ``counters``    per-model in-flight/queued counts in Redis for autoscaling
-- ``ratelimit``   per-key requests/tokens per minute (one Lua script per check)
-- ``auth``        API keys from a file or a Kubernetes Secret
-- ``tgi_api``, ``openai_api``, ``sse``, ``metrics``, ``app``, ``cli``
+- ``config``        the typed router configuration, built once by ``cli``
+- ``app``           the FastAPI app factory; ``state`` wires the parts once per app
+- ``intake``        the per-request steps every generation route shares: admit, then
+                    stream or collect, then account (metrics, refunds, status counts)
+- ``tgi_api``, ``tgi_schema``      TGI's routes; its request models and parameter rules
+- ``openai_api``, ``openai_schema``, ``openai_render``
+                    OpenAI's routes; its request models and rules; its response shapes
+- ``validation``    body parsing, ``Limits`` and the budget checks both APIs share
+- ``engine_request`` the API-neutral request sent to a leader (and the cache key's source)
+- ``tokenization``  the per-model tokenizer and chat template (from the leader's Info)
+- ``backends/``     replica sources (static, Kubernetes), gRPC clients, models and
+                    replicas (``model``), the registry and its probes
+- ``generation``    the response cache in front of the dispatcher; per-request metrics
+- ``dispatch``      one generation: activation, admission, replica choice, retries, and
+                    one relay that reads a flight's tokens for ``stream`` and ``collect``
+- ``flight``        one Generate call on one replica; the stall watchdog
+- ``balancer``      prefix-aware consistent hashing with bounded load
+- ``admission``     per-model in-flight limit and bounded queue (429 + Retry-After)
+- ``activation``    hold requests for a model with zero ready replicas; scale-up hook
+- ``cache``         Redis response cache for deterministic requests
+- ``counters``      per-model in-flight/queued counts in Redis for autoscaling
+- ``ratelimit``     per-key requests/tokens per minute (one Lua script per check)
+- ``auth``          API keys from a file or a Kubernetes Secret
+- ``redis_store``   the Redis connection: short timeouts and a circuit breaker
+- ``errors``, ``http``, ``sse``, ``metrics``, ``cli``
 """
 
 __version__ = "0.1.0"

@@ -34,7 +34,7 @@ def _hash64(data: bytes) -> int:
 
 class HashRing:
     """Virtual-node ring over replica addresses; the same addresses give the same ring
-    in every router replica."""
+    in every router instance."""
 
     def __init__(self, nodes: Sequence[str], vnodes: int = 64) -> None:
         points = sorted((_hash64(f"{node}#{i}".encode()), node) for node in nodes for i in range(vnodes))

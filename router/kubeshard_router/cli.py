@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between Health probes of each replica")
     g.add_argument("--max-retries", type=int, default=d["max_retries"].default,
                    help="other replicas tried when one fails before its first token")
-    g.add_argument("--router-id", default=None, help="name of this router replica in Redis counters")
+    g.add_argument("--router-id", default=None, help="name of this router instance in Redis counters")
     return p
 
 

@@ -26,7 +26,7 @@ class RouterConfig:
     default_model: Optional[str] = None
 
     # Redis: response cache, load counters, rate limits. None disables all three
-    # (rate limits then apply per router replica only).
+    # (rate limits then apply per router instance only).
     redis_url: Optional[str] = None
     redis_timeout_s: float = 0.05
     redis_retry_s: float = 1.0

@@ -1,6 +1,6 @@
-"""Per-model in-flight and queued counts of this router replica, published to Redis.
+"""Per-model in-flight and queued counts of this router instance, published to Redis.
 
-Each router replica writes ``kubeshard:{model}:{revision}:load:{router_id}``, a hash
+Each router instance writes ``kubeshard:{model}:{revision}:load:{router_id}``, a hash
 ``{"in_flight": n, "queued": m}`` with a TTL of ``ttl_s``, every ``interval_s`` (and not
 at all on the request path). A router that dies stops refreshing its keys and its
 counts vanish when they expire, so the sum over live routers (``read_load``) is what the
@@ -34,7 +34,7 @@ def load_key(model: str, revision: str, router_id: str) -> str:
 
 
 async def read_load(client: aioredis.Redis, model: str, revision: str) -> tuple[int, int]:
-    """Sums (in_flight, queued) of one model over every live router replica."""
+    """Sums (in_flight, queued) of one model over every live router instance."""
     in_flight = queued = 0
     async for key in client.scan_iter(match=f"kubeshard:{model}:{revision}:load:*", count=100):
         values = await client.hmget(key, "in_flight", "queued")

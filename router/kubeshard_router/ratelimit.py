@@ -1,11 +1,11 @@
 """Per-API-key rate limits: requests per minute and tokens per minute.
 
 Two token buckets per key (requests; tokens = prompt + max new tokens) live in one Redis
-hash ``kubeshard:ratelimit:{key name}`` shared by every router replica, and one Lua
+hash ``kubeshard:ratelimit:{key name}`` shared by every router instance, and one Lua
 script refills, checks and charges both atomically, using Redis' own clock. When a
 request ends with fewer tokens than it reserved, the difference is refunded in the
 background. While Redis is unreachable the same buckets run in this process, so limits
-still hold (per router replica) and no client sees a Redis error.
+still hold (per router instance) and no client sees a Redis error.
 """
 
 from __future__ import annotations

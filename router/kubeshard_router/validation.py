@@ -1,9 +1,11 @@
-"""Request validation shared by the TGI and OpenAI front ends.
+"""What the TGI and OpenAI front ends share in validating a request.
 
-Bodies are parsed with orjson and validated with pydantic; a wrong type becomes a 422
-naming the field path, malformed JSON a 400. The TGI parameter rules and their messages
-follow TGI's ``validation.rs`` ("Input validation error: `temperature` must be strictly
-positive"), and the token budget checks use the model's own tokenizer and limits.
+``parse_body`` parses with orjson and validates with pydantic: malformed JSON is a 400,
+a wrong type a 422 naming the field path. ``Limits`` is what a request may ask of one
+model; ``check_budget``, ``check_stop``, ``check_seed`` and ``check_token_ids`` check a
+request against them, in TGI's wording ("Input validation error: `inputs` must have less
+than 1024 tokens"). Each API's own parameter rules live beside its request models
+(``tgi_schema``, ``openai_schema``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,19 @@ async def test_admits_up_to_capacity_then_queues_in_fifo_order():
     assert order == [0, 1, 2] and a.in_flight == 2 and a.queued == 0
 
 
+async def test_try_acquire_takes_only_a_free_slot_nobody_queues_for():
+    a = Admission("m", max_queue=10, queue_timeout_s=5)
+    a.set_capacity(1)
+    assert a.try_acquire() and a.in_flight == 1
+    assert not a.try_acquire() and a.in_flight == 1  # full: the caller queues with acquire()
+    waiter = asyncio.create_task(a.acquire())
+    await asyncio.sleep(0.01)
+    a.set_capacity(3)  # the queued request takes the first freed slot...
+    await waiter
+    assert a.try_acquire() and a.in_flight == 3  # ...and a free slot with nobody queued is taken at once
+    assert not a.try_acquire() and a.queued == 0
+
+
 async def test_full_queue_answers_429_with_retry_after():
     a = Admission("m", max_queue=1, queue_timeout_s=5)
     a.set_capacity(1)
