@@ -186,7 +186,7 @@ class Intake:
 
     # after: generate, then account ---------------------------------------------------------
 
-    def finish(self, admitted: Admitted, error_type: Optional[str], started: bool) -> None:
+    def finish(self, admitted: Admitted[B, P], error_type: Optional[str], started: bool) -> None:
         """Called once when the request ends (streams call it from their generator)."""
         name, ctx, route = admitted.model.name, admitted.ctx, admitted.route
         self.generation.record(name, ctx, error_type)
@@ -199,7 +199,7 @@ class Intake:
         elif error_type == "cancelled":
             self.metrics.count_request(name, route, 499)  # the client left before the first token
 
-    async def events(self, admitted: Admitted,
+    async def events(self, admitted: Admitted[B, P],
                      render: Callable[[AsyncIterator[pb.Token]], AsyncIterator[bytes]],
                      error_event: Callable[[RouterError], bytes]) -> AsyncIterator[bytes]:
         """Streams the generation: ``render`` turns its tokens into SSE events, and
@@ -232,7 +232,7 @@ class Intake:
         finally:
             self.finish(admitted, error_type, received > 0)
 
-    async def collect(self, admitted: Admitted) -> list[pb.Token]:
+    async def collect(self, admitted: Admitted[B, P]) -> list[pb.Token]:
         """Generates the whole answer (non-streaming routes)."""
         try:
             tokens = await self.generation.collect(admitted.model, admitted.plan.engine, admitted.ctx,

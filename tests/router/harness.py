@@ -11,6 +11,7 @@ import uvicorn
 
 from kubeshard_router.app import create_app
 from kubeshard_router.config import RouterConfig
+from kubeshard_router.state import RouterState
 from tests.router.stub_backend import StubBackend
 
 
@@ -37,7 +38,7 @@ class RouterHarness:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def state(self):
+    def state(self) -> RouterState:
         return self.app.state.kubeshard
 
     def call(self, coro: Coroutine, timeout: float = 60) -> Any:

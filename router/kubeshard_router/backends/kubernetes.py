@@ -140,7 +140,7 @@ class KubernetesSource:
         self._registry: Optional[Registry] = None
         self._declared: set[str] = set()
         self.synced = asyncio.Event()
-        self._listed = set()
+        self._listed: set[str] = set()
 
     def static_models(self) -> list[str]:
         return []
