@@ -24,41 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkubeshard_proto/kubeshard.proto\x12\x0ckubeshard.v1\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08truncate\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .kubeshard.v1.SamplingParameters\x12\x30\n\x08stopping\x18\x07 \x01(\x0b\x32\x1e.kubeshard.v1.StoppingCriteria\x12\x14\n\x0ctop_n_tokens\x18\x08 \x01(\r\x12\x17\n\x0fprefill_details\x18\t \x01(\x08\x42\x15\n\x13_add_special_tokensB\x0b\n\t_truncate\"\xf1\x02\n\x12SamplingParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x16\n\ttypical_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seed\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"F\n\x08TopToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07special\x18\x04 \x01(\x08\"J\n\x0cPrefillToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\n\n\x08_logprob\"\xed\x01\n\rFinishDetails\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.kubeshard.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rqueue_time_ns\x18\x06 \x01(\x04\x12\x19\n\x11inference_time_ns\x18\x07 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x08 \x01(\rB\x07\n\x05_seed\"\xe8\x01\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07special\x18\x04 \x01(\x08\x12\r\n\x05index\x18\x05 \x01(\r\x12*\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x16.kubeshard.v1.TopToken\x12+\n\x07prefill\x18\x07 \x03(\x0b\x32\x1a.kubeshard.v1.PrefillToken\x12\x30\n\x06\x66inish\x18\x08 \x01(\x0b\x32\x1b.kubeshard.v1.FinishDetailsH\x00\x88\x01\x01\x42\t\n\x07_finish\"\r\n\x0bInfoRequest\"\xb9\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x05 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x06 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x08 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\r\x12\x10\n\x08strategy\x18\x0c \x01(\t\x12\x0e\n\x06shards\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x15\n\reos_token_ids\x18\x0f \x03(\r\x12\x16\n\x0etokenizer_json\x18\x10 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x11 \x01(\x0c\x12\x0f\n\x07version\x18\x12 \x01(\t\x12\x1c\n\x14rank_parameter_bytes\x18\x13 \x03(\x04\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\xe8\x02\n\rStatsResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x06 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x19\n\x11preemptions_total\x18\n \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0b \x01(\x04\x12\x13\n\x0bsteps_total\x18\x0c \x01(\x04\x12*\n\x05ranks\x18\r \x03(\x0b\x32\x1b.kubeshard.v1.StatsResponse*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\x98\x02\n\x0eTextGeneration\x12@\n\x08Generate\x12\x1d.kubeshard.v1.GenerateRequest\x1a\x13.kubeshard.v1.Token0\x01\x12=\n\x04Info\x12\x19.kubeshard.v1.InfoRequest\x1a\x1a.kubeshard.v1.InfoResponse\x12\x43\n\x06Health\x12\x1b.kubeshard.v1.HealthRequest\x1a\x1c.kubeshard.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.kubeshard.v1.StatsRequest\x1a\x1b.kubeshard.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkubeshard_proto/kubeshard.proto\x12\x0ckubeshard.v1\"2\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\xa3\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08truncate\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .kubeshard.v1.SamplingParameters\x12\x30\n\x08stopping\x18\x07 \x01(\x0b\x32\x1e.kubeshard.v1.StoppingCriteria\x12\x14\n\x0ctop_n_tokens\x18\x08 \x01(\r\x12\x17\n\x0fprefill_details\x18\t \x01(\x08\x12\x1c\n\x14prefill_top_n_tokens\x18\n \x01(\r\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x02\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x0c \x01(\x08H\x03\x88\x01\x01\x12\t\n\x01n\x18\r \x01(\r\x12&\n\x07grammar\x18\x0e \x01(\x0b\x32\x15.kubeshard.v1.Grammar\x12\x0f\n\x07\x61\x64\x61pter\x18\x0f \x01(\tB\x15\n\x13_add_special_tokensB\x0b\n\t_truncateB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x8f\x01\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.kubeshard.v1.ChoiceListH\x00\x12\x18\n\x0estructural_tag\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf1\x02\n\x12SamplingParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x16\n\ttypical_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seed\"\x86\x01\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x16\n\x0emin_new_tokens\x18\x05 \x01(\r\"F\n\x08TopToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07special\x18\x04 \x01(\x08\"v\n\x0cPrefillToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12*\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x16.kubeshard.v1.TopTokenB\n\n\x08_logprob\"\x89\x02\n\rFinishDetails\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.kubeshard.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rqueue_time_ns\x18\x06 \x01(\x04\x12\x19\n\x11inference_time_ns\x18\x07 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12\x1a\n\x12\x63umulative_logprob\x18\t \x01(\x01\x42\x07\n\x05_seed\"\xfa\x01\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07special\x18\x04 \x01(\x08\x12\r\n\x05index\x18\x05 \x01(\r\x12*\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x16.kubeshard.v1.TopToken\x12+\n\x07prefill\x18\x07 \x03(\x0b\x32\x1a.kubeshard.v1.PrefillToken\x12\x30\n\x06\x66inish\x18\x08 \x01(\x0b\x32\x1b.kubeshard.v1.FinishDetailsH\x00\x88\x01\x01\x12\x10\n\x08sequence\x18\t \x01(\rB\t\n\x07_finish\"\r\n\x0bInfoRequest\"\x89\x04\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x05 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x06 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x08 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\r\x12\x10\n\x08strategy\x18\x0c \x01(\t\x12\x0e\n\x06shards\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x15\n\reos_token_ids\x18\x0f \x03(\r\x12\x16\n\x0etokenizer_json\x18\x10 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x11 \x01(\x0c\x12\x0f\n\x07version\x18\x12 \x01(\t\x12\x1c\n\x14rank_parameter_bytes\x18\x13 \x03(\x04\x12+\n\x08\x61\x64\x61pters\x18\x14 \x03(\x0b\x32\x19.kubeshard.v1.AdapterInfo\x12!\n\x19max_sequences_per_request\x18\x15 \x01(\r\"Q\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\xe8\x02\n\rStatsResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x06 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x19\n\x11preemptions_total\x18\n \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0b \x01(\x04\x12\x13\n\x0bsteps_total\x18\x0c \x01(\x04\x12*\n\x05ranks\x18\r \x03(\x0b\x32\x1b.kubeshard.v1.StatsResponse*\xa3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x32\xbe\x03\n\x0eTextGeneration\x12@\n\x08Generate\x12\x1d.kubeshard.v1.GenerateRequest\x1a\x13.kubeshard.v1.Token0\x01\x12=\n\x04Info\x12\x19.kubeshard.v1.InfoRequest\x1a\x1a.kubeshard.v1.InfoResponse\x12\x43\n\x06Health\x12\x1b.kubeshard.v1.HealthRequest\x1a\x1c.kubeshard.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.kubeshard.v1.StatsRequest\x1a\x1b.kubeshard.v1.StatsResponse\x12J\n\x0bLoadAdapter\x12 .kubeshard.v1.LoadAdapterRequest\x1a\x19.kubeshard.v1.AdapterInfo\x12X\n\rUnloadAdapter\x12\".kubeshard.v1.UnloadAdapterRequest\x1a#.kubeshard.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kubeshard_proto.kubeshard_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2356
-  _globals['_FINISHREASON']._serialized_end=2489
-  _globals['_GENERATEREQUEST']._serialized_start=50
-  _globals['_GENERATEREQUEST']._serialized_end=363
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=366
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=735
-  _globals['_STOPPINGCRITERIA']._serialized_start=737
-  _globals['_STOPPINGCRITERIA']._serialized_end=823
-  _globals['_TOPTOKEN']._serialized_start=825
-  _globals['_TOPTOKEN']._serialized_end=895
-  _globals['_PREFILLTOKEN']._serialized_start=897
-  _globals['_PREFILLTOKEN']._serialized_end=971
-  _globals['_FINISHDETAILS']._serialized_start=974
-  _globals['_FINISHDETAILS']._serialized_end=1211
-  _globals['_TOKEN']._serialized_start=1214
-  _globals['_TOKEN']._serialized_end=1446
-  _globals['_INFOREQUEST']._serialized_start=1448
-  _globals['_INFOREQUEST']._serialized_end=1461
-  _globals['_INFORESPONSE']._serialized_start=1464
-  _globals['_INFORESPONSE']._serialized_end=1905
-  _globals['_HEALTHREQUEST']._serialized_start=1907
-  _globals['_HEALTHREQUEST']._serialized_end=1922
-  _globals['_HEALTHRESPONSE']._serialized_start=1924
-  _globals['_HEALTHRESPONSE']._serialized_end=1974
-  _globals['_STATSREQUEST']._serialized_start=1976
-  _globals['_STATSREQUEST']._serialized_end=1990
-  _globals['_STATSRESPONSE']._serialized_start=1993
-  _globals['_STATSRESPONSE']._serialized_end=2353
-  _globals['_TEXTGENERATION']._serialized_start=2492
-  _globals['_TEXTGENERATION']._serialized_end=2772
+  _globals['_FINISHREASON']._serialized_start=3184
+  _globals['_FINISHREASON']._serialized_end=3347
+  _globals['_LOADADAPTERREQUEST']._serialized_start=49
+  _globals['_LOADADAPTERREQUEST']._serialized_end=99
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=101
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=137
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=139
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=162
+  _globals['_GENERATEREQUEST']._serialized_start=165
+  _globals['_GENERATEREQUEST']._serialized_end=712
+  _globals['_GRAMMAR']._serialized_start=715
+  _globals['_GRAMMAR']._serialized_end=858
+  _globals['_CHOICELIST']._serialized_start=860
+  _globals['_CHOICELIST']._serialized_end=889
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=892
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1261
+  _globals['_STOPPINGCRITERIA']._serialized_start=1264
+  _globals['_STOPPINGCRITERIA']._serialized_end=1398
+  _globals['_TOPTOKEN']._serialized_start=1400
+  _globals['_TOPTOKEN']._serialized_end=1470
+  _globals['_PREFILLTOKEN']._serialized_start=1472
+  _globals['_PREFILLTOKEN']._serialized_end=1590
+  _globals['_FINISHDETAILS']._serialized_start=1593
+  _globals['_FINISHDETAILS']._serialized_end=1858
+  _globals['_TOKEN']._serialized_start=1861
+  _globals['_TOKEN']._serialized_end=2111
+  _globals['_INFOREQUEST']._serialized_start=2113
+  _globals['_INFOREQUEST']._serialized_end=2126
+  _globals['_INFORESPONSE']._serialized_start=2129
+  _globals['_INFORESPONSE']._serialized_end=2650
+  _globals['_ADAPTERINFO']._serialized_start=2652
+  _globals['_ADAPTERINFO']._serialized_end=2733
+  _globals['_HEALTHREQUEST']._serialized_start=2735
+  _globals['_HEALTHREQUEST']._serialized_end=2750
+  _globals['_HEALTHRESPONSE']._serialized_start=2752
+  _globals['_HEALTHRESPONSE']._serialized_end=2802
+  _globals['_STATSREQUEST']._serialized_start=2804
+  _globals['_STATSREQUEST']._serialized_end=2818
+  _globals['_STATSRESPONSE']._serialized_start=2821
+  _globals['_STATSRESPONSE']._serialized_end=3181
+  _globals['_TEXTGENERATION']._serialized_start=3350
+  _globals['_TEXTGENERATION']._serialized_end=3796
 # @@protoc_insertion_point(module_scope)

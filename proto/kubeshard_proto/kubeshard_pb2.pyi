@@ -13,13 +13,33 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
+FINISH_REASON_STOP_TOKEN: FinishReason
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "input_ids", "add_special_tokens", "truncate", "sampling", "stopping", "top_n_tokens", "prefill_details")
+    __slots__ = ("request_id", "inputs", "input_ids", "add_special_tokens", "truncate", "sampling", "stopping", "top_n_tokens", "prefill_details", "prefill_top_n_tokens", "skip_special_tokens", "spaces_between_special_tokens", "n", "grammar", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +49,12 @@ class GenerateRequest(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -38,7 +64,33 @@ class GenerateRequest(_message.Message):
     stopping: StoppingCriteria
     top_n_tokens: int
     prefill_details: bool
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., add_special_tokens: _Optional[bool] = ..., truncate: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., prefill_details: _Optional[bool] = ...) -> None: ...
+    prefill_top_n_tokens: int
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    n: int
+    grammar: Grammar
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., add_special_tokens: _Optional[bool] = ..., truncate: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., prefill_details: _Optional[bool] = ..., prefill_top_n_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("json_schema", "regex", "ebnf", "choice", "structural_tag")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    ebnf: str
+    choice: ChoiceList
+    structural_tag: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., structural_tag: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
     __slots__ = ("do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed")
@@ -63,14 +115,18 @@ class SamplingParameters(_message.Message):
     def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class StoppingCriteria(_message.Message):
-    __slots__ = ("max_new_tokens", "stop_sequences", "ignore_eos")
+    __slots__ = ("max_new_tokens", "stop_sequences", "ignore_eos", "stop_token_ids", "min_new_tokens")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     stop_sequences: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    min_new_tokens: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TopToken(_message.Message):
     __slots__ = ("id", "text", "logprob", "special")
@@ -85,17 +141,19 @@ class TopToken(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., special: _Optional[bool] = ...) -> None: ...
 
 class PrefillToken(_message.Message):
-    __slots__ = ("id", "text", "logprob")
+    __slots__ = ("id", "text", "logprob", "top_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     text: str
     logprob: float
-    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+    top_tokens: _containers.RepeatedCompositeFieldContainer[TopToken]
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[_Union[TopToken, _Mapping]]] = ...) -> None: ...
 
 class FinishDetails(_message.Message):
-    __slots__ = ("reason", "generated_tokens", "prompt_tokens", "cached_prompt_tokens", "seed", "queue_time_ns", "inference_time_ns", "preemptions")
+    __slots__ = ("reason", "generated_tokens", "prompt_tokens", "cached_prompt_tokens", "seed", "queue_time_ns", "inference_time_ns", "preemptions", "cumulative_logprob")
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +162,7 @@ class FinishDetails(_message.Message):
     QUEUE_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     generated_tokens: int
     prompt_tokens: int
@@ -112,10 +171,11 @@ class FinishDetails(_message.Message):
     queue_time_ns: int
     inference_time_ns: int
     preemptions: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., queue_time_ns: _Optional[int] = ..., inference_time_ns: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    cumulative_logprob: float
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., queue_time_ns: _Optional[int] = ..., inference_time_ns: _Optional[int] = ..., preemptions: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("id", "text", "logprob", "special", "index", "top_tokens", "prefill", "finish")
+    __slots__ = ("id", "text", "logprob", "special", "index", "top_tokens", "prefill", "finish", "sequence")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +184,7 @@ class Token(_message.Message):
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     id: int
     text: str
     logprob: float
@@ -132,14 +193,15 @@ class Token(_message.Message):
     top_tokens: _containers.RepeatedCompositeFieldContainer[TopToken]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillToken]
     finish: FinishDetails
-    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., special: _Optional[bool] = ..., index: _Optional[int] = ..., top_tokens: _Optional[_Iterable[_Union[TopToken, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., finish: _Optional[_Union[FinishDetails, _Mapping]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., special: _Optional[bool] = ..., index: _Optional[int] = ..., top_tokens: _Optional[_Iterable[_Union[TopToken, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., finish: _Optional[_Union[FinishDetails, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "revision", "architecture", "dtype", "device_type", "max_input_tokens", "max_total_tokens", "max_batch_tokens", "max_concurrent_requests", "block_size", "num_kv_blocks", "strategy", "shards", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "version", "rank_parameter_bytes")
+    __slots__ = ("model_id", "revision", "architecture", "dtype", "device_type", "max_input_tokens", "max_total_tokens", "max_batch_tokens", "max_concurrent_requests", "block_size", "num_kv_blocks", "strategy", "shards", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "version", "rank_parameter_bytes", "adapters", "max_sequences_per_request")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +221,8 @@ class InfoResponse(_message.Message):
     TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     revision: str
     architecture: str
@@ -178,7 +242,21 @@ class InfoResponse(_message.Message):
     tokenizer_config_json: bytes
     version: str
     rank_parameter_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., strategy: _Optional[str] = ..., shards: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., version: _Optional[str] = ..., rank_parameter_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    max_sequences_per_request: int
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., strategy: _Optional[str] = ..., shards: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., version: _Optional[str] = ..., rank_parameter_bytes: _Optional[_Iterable[int]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_sequences_per_request: _Optional[int] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "source", "rank", "target_modules")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -54,6 +54,16 @@ class TextGenerationStub:
                 request_serializer=kubeshard__proto_dot_kubeshard__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kubeshard__proto_dot_kubeshard__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/kubeshard.v1.TextGeneration/LoadAdapter',
+                request_serializer=kubeshard__proto_dot_kubeshard__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=kubeshard__proto_dot_kubeshard__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kubeshard.v1.TextGeneration/UnloadAdapter',
+                request_serializer=kubeshard__proto_dot_kubeshard__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=kubeshard__proto_dot_kubeshard__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -90,6 +100,22 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter (PEFT format) at run time, on every rank of the group; a name
+        already loaded is ALREADY_EXISTS, a folder that is not a PEFT LoRA adapter of this
+        model INVALID_ARGUMENT. Requests name it in GenerateRequest.adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads an adapter (NOT_FOUND when unknown, FAILED_PRECONDITION while requests use it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +138,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kubeshard__proto_dot_kubeshard__pb2.StatsRequest.FromString,
                     response_serializer=kubeshard__proto_dot_kubeshard__pb2.StatsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=kubeshard__proto_dot_kubeshard__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=kubeshard__proto_dot_kubeshard__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kubeshard__proto_dot_kubeshard__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=kubeshard__proto_dot_kubeshard__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +258,60 @@ class TextGeneration:
             '/kubeshard.v1.TextGeneration/Stats',
             kubeshard__proto_dot_kubeshard__pb2.StatsRequest.SerializeToString,
             kubeshard__proto_dot_kubeshard__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubeshard.v1.TextGeneration/LoadAdapter',
+            kubeshard__proto_dot_kubeshard__pb2.LoadAdapterRequest.SerializeToString,
+            kubeshard__proto_dot_kubeshard__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubeshard.v1.TextGeneration/UnloadAdapter',
+            kubeshard__proto_dot_kubeshard__pb2.UnloadAdapterRequest.SerializeToString,
+            kubeshard__proto_dot_kubeshard__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
