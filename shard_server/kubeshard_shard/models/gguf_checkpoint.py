@@ -1,0 +1,274 @@
+"""GGUF files (llama.cpp's format) as checkpoints: read with the ``gguf`` package,
+dequantized, and written once as a Hugging Face folder that the rest of the server
+loads like any other (memory-mapped safetensors, per-rank slices for sharding).
+
+What maps to what:
+- the config from the ``{arch}.*`` keys (block_count, embedding_length, head counts,
+  rope.freq_base, rope.scaling.*, context_length, ...); tied embeddings when the file
+  has no ``output.weight``;
+- tensors by name (``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight``);
+  llama.cpp's converter interleaves the rotary halves of Llama's q and k rows, which is
+  undone here (Qwen2 files are written unpermuted);
+- the tokenizer from ``tokenizer.ggml.*`` (byte-level BPE: tokens, merges, token types,
+  the pre-tokenizer named by ``tokenizer.ggml.pre``), the chat template from
+  ``tokenizer.chat_template``, BOS/EOS from their ids.
+
+Keeping quantized weights quantized in memory is a separate concern: here every
+quantized tensor becomes float32 (F16 and BF16 stay as they are) and the engine casts
+to the requested dtype when it loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from kubeshard_shard.models.config import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# Bump when the written folder changes, so older conversions are rebuilt.
+FORMAT_VERSION = 1
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TOKENIZER_MODELS = ("gpt2",)
+# tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp regexes)
+DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone")
+GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais", "")
+LLAMA3_PRE = ("llama3", "llama-bpe", "llama-v3", "falcon3", "deepseek-r1-qwen", "qwen2", "smaug-bpe")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors...
+        raise CheckpointError(f"{path}: not a readable GGUF file (corrupt or truncated: {exc})") from exc
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except Exception as exc:
+        raise CheckpointError(f"GGUF metadata '{key}' is unreadable ({exc})") from exc
+
+
+def _require(reader, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise CheckpointError(f"GGUF metadata lacks '{key}'")
+    return value
+
+
+def hf_config(reader) -> dict:
+    arch = _require(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"GGUF architecture '{arch}' is not supported; supported: {', '.join(ARCHITECTURES)}")
+    heads = int(_require(reader, f"{arch}.attention.head_count"))
+    hidden = int(_require(reader, f"{arch}.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    names = {t.name for t in reader.tensors}
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_require(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": "float16" if int(_field(reader, "general.file_type", 0)) == 1 else "bfloat16",
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling in ("linear",):
+        config["rope_scaling"] = {"rope_type": "linear",
+                                  "factor": float(_require(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise CheckpointError(f"GGUF rope scaling '{scaling}' is not supported; supported: none, linear")
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        value = _field(reader, name)
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's interleaving of the rotary halves of each head's rows."""
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def hf_name(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{kind}"
+    return None
+
+
+def hf_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (Hugging Face name, dequantized array) for every tensor the model uses."""
+    from gguf import GGMLQuantizationType, quants
+
+    permute = config["model_type"] == "llama"
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        name = hf_name(t.name)
+        if name is None:
+            if t.name != "rope_freqs.weight":
+                log.warning("GGUF tensor %s has no place in the model; ignored", t.name)
+            continue
+        if qtype.name not in QUANT_TYPES:
+            raise CheckpointError(f"GGUF tensor {t.name} has quantization type {qtype.name}, which is not "
+                                  f"supported; supported: {', '.join(QUANT_TYPES)}")
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists the fastest dimension first
+        try:
+            values = quants.dequantize(t.data, qtype) if qtype.name not in ("F32", "F16") else np.asarray(t.data)
+            values = values.reshape(shape)
+        except Exception as exc:
+            raise CheckpointError(f"GGUF tensor {t.name} ({qtype.name}, shape {shape}) cannot be read: "
+                                  f"the file is truncated or corrupt ({exc})") from exc
+        if values.dtype not in (np.float32, np.float16):
+            values = values.astype(np.float32)
+        if permute and name.endswith("q_proj.weight"):
+            values = _unpermute(values, config["num_attention_heads"])
+        elif permute and name.endswith("k_proj.weight"):
+            values = _unpermute(values, config["num_key_value_heads"])
+        if not np.isfinite(values).all():
+            raise CheckpointError(f"GGUF tensor {t.name} holds NaN or infinite values (corrupt file?)")
+        yield name, values
+
+
+def hf_tokenizer(reader) -> tuple[str, dict]:
+    """(tokenizer.json text, tokenizer_config.json dict) from the GGUF's tokenizer keys."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _require(reader, "tokenizer.ggml.model")
+    if kind not in TOKENIZER_MODELS:
+        raise CheckpointError(f"GGUF tokenizer model '{kind}' is not supported; supported: "
+                              f"{', '.join(TOKENIZER_MODELS)} (byte-level BPE)")
+    tokens = list(_require(reader, "tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in _require(reader, "tokenizer.ggml.merges")]
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in DIGITS_THEN_GPT2:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in GPT2_PRE:
+        tok.pre_tokenizer = byte_level
+    elif pre in LLAMA3_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        raise CheckpointError(f"GGUF pre-tokenizer '{pre}' is not supported; supported: "
+                              f"{', '.join(sorted(set(DIGITS_THEN_GPT2 + GPT2_PRE + LLAMA3_PRE) - {''}))}")
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind_ in zip(tokens, types) if kind_ == TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind_ in zip(tokens, types) if kind_ == TOKEN_USER_DEFINED])
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    config: dict[str, Any] = {"add_bos_token": add_bos, "add_eos_token": False,
+                              "clean_up_tokenization_spaces": False, "tokenizer_class": "PreTrainedTokenizerFast"}
+    for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("pad_token", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{name}")
+        if value is not None and 0 <= int(value) < len(tokens):
+            config[key] = tokens[int(value)]
+    if add_bos and "bos_token" in config:
+        from tokenizers import processors
+
+        bos = config["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tokens.index(bos))])
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return tok.to_str(), config
+
+
+def convert(path: Path, out: Path) -> None:
+    """Writes the Hugging Face folder of the GGUF file ``path`` into ``out``."""
+    import torch
+    from safetensors.torch import save_file
+
+    reader = open_gguf(path)
+    config = hf_config(reader)
+    tokenizer_json, tokenizer_config = hf_tokenizer(reader)
+    tensors = {name: torch.from_numpy(np.array(values, copy=True)) for name, values in hf_tensors(reader, config)}
+    if "model.embed_tokens.weight" not in tensors:
+        raise CheckpointError(f"{path}: the GGUF file has no token_embd.weight")
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256(f"v{FORMAT_VERSION}:".encode())
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:20]
+
+
+def converted_checkpoint(path: Path, cache: Path) -> Path:
+    """The Hugging Face folder of a GGUF file, converted once and cached under ``cache``
+    (keyed by the file's content). Safe across processes: written under a temporary
+    name and renamed into place."""
+    target = cache / f"{path.stem}-{_digest(path)}"
+    if (target / "config.json").is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache))
+    try:
+        log.info("converting %s to a checkpoint folder under %s (once)", path, cache)
+        convert(path, tmp / "m")
+        try:
+            os.rename(tmp / "m", target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race to another converter: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
