@@ -6,6 +6,10 @@ from kubeshard_shard.engine.block_manager import BlockManager
 from kubeshard_shard.engine.sequence import SamplingParams, Sequence
 
 
+# hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]), fixed since the hash names Redis entries
+GOLDEN_CHAIN_HASH = 0xf2a09bff7ccb997917cda1c893b217a9
+
+
 def seq(tokens, rid="r"):
     return Sequence(rid, list(tokens), SamplingParams(max_new_tokens=4))
 
@@ -79,3 +83,22 @@ def test_prefix_caching_can_be_disabled():
     admit(bm, a)
     b = seq(range(9), "b")
     assert bm.find_cached_prefix(b) == []
+
+
+def test_block_hash_is_stable_across_processes_and_machines():
+    """The chained hash names KV blocks in Redis: it must not depend on the process's
+    hash seed, and a change of its definition must be deliberate (this golden value)."""
+    import subprocess
+    import sys
+
+    from kubeshard_shard.engine.block_manager import hash_block
+
+    script = ("from kubeshard_shard.engine.block_manager import hash_block as h;"
+              "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]))")
+    values = {subprocess.run([sys.executable, "-c", script], env={"PYTHONHASHSEED": seed}, capture_output=True,
+                             text=True, check=True).stdout.strip() for seed in ("0", "1", "12345")}
+    here = hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+    assert values == {str(here)}
+    assert here == GOLDEN_CHAIN_HASH
+    assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 3, 5])
+    assert hash_block(None, [5, 6, 7, 8]) != here  # the parent is part of the hash

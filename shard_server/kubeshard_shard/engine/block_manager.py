@@ -12,6 +12,8 @@ short, and the scheduler preempts.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,10 +27,20 @@ class Block:
     block_hash: int | None = None
 
 
-def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    # Python's hash of a tuple of ints is deterministic across processes (only str and
-    # bytes hashing is randomized; None hashes by address before 3.12, hence the 0).
-    return hash((0 if parent_hash is None else parent_hash, tokens))
+HASH_BYTES = 16
+_ROOT = b"kubeshard-kv-chain-v1"
+
+
+def hash_block(parent_hash: int | None, tokens: list[int]) -> int:
+    """The chained hash of one full block: BLAKE2b-128 over the parent block's hash and
+    the block's token ids (little-endian uint32). The same in every process and on every
+    machine (never Python's salted ``hash``), so it can name KV blocks shared through
+    Redis; 128 bits and a cryptographic hash, so no crafted prompt collides with
+    another's prefix."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(_ROOT if parent_hash is None else parent_hash.to_bytes(HASH_BYTES, "little"))
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
@@ -67,7 +79,7 @@ class BlockManager:
         while (len(seq.block_hashes) + 1) * bs <= upto_tokens:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     # ---- prefix cache lookup ---------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -94,7 +106,7 @@ class BlockManager:
             return 0
         bs, parent, n = self.block_size, None, 0
         for i in range(len(token_ids) // bs):
-            parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             if parent not in self.cached:
                 break
             n += 1
@@ -172,3 +184,19 @@ class BlockManager:
                     self._cached_free += 1
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def share_prompt(self, parent: Sequence, child: Sequence) -> None:
+        """Gives ``child`` (a new sequence with the same prompt) the full blocks of the
+        prompt ``parent`` has computed, by reference count (n > 1 sequences of one
+        request). The partial last block is not shared — the child recomputes those few
+        tokens itself — so no block is ever written by two sequences; at least one
+        prompt token is left for the child to compute, so its step yields logits."""
+        bs = self.block_size
+        full = min(parent.num_computed_tokens, parent.num_prompt_tokens - 1) // bs
+        full = min(full, len(parent.block_table))
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table[:full])
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_computed_tokens = full * bs
+        child.num_registered_blocks = full
