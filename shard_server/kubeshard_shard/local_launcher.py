@@ -2,8 +2,9 @@
 
 Starts ``replicas`` shard groups of ``shards`` processes each (``kubeshard serve-shard``),
 an optional private Redis, and the HTTP router in front of the groups' leaders; prints
-``kubeshard ready on http://HOST:PORT`` once the router serves; stops everything on
-Ctrl-C or when any child dies (a local stand-in for what the operator does on a cluster).
+``kubeshard ready on http://HOST:PORT`` once the router serves. Like the operator on a
+cluster, it restarts a group whose shard died (the whole group, with back-off) while
+the other groups keep serving; Ctrl-C, or the router or Redis dying, stops everything.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kubeshard_shard.config import EngineConfig
 READY_LINE = "kubeshard ready on http://"
 SHARD_READY = "kubeshard shard ready"
 STARTUP_TIMEOUT_S = 600.0
+RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 1.0, 30.0
+RESTART_RESET_S = 60.0  # a group serving this long starts its back-off from the bottom again
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,9 +46,58 @@ class Child:
     echo_ready: bool = False
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """What every group runs: the engine config, the strategy and shard count."""
+
+    config: EngineConfig
+    strategy: str
+    shards: int
+    log_level: str
+    threads: int | None  # per rank, when the ranks share this machine's cores
+
+    def commands(self, index: int, leader_port: int, master_port: int) -> list[tuple[str, list[str]]]:
+        """(name, argv) of each rank of group ``index``."""
+        out = []
+        for rank in range(self.shards):
+            argv = [sys.executable, "-m", "kubeshard_shard.cli", "--log-level", self.log_level, "serve-shard",
+                    *self.config.to_flags(),
+                    "--host", "127.0.0.1", "--port", str(leader_port if rank == 0 else 0),
+                    "--metrics-port", "0", "--strategy", self.strategy, "--shards", str(self.shards),
+                    "--rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+            if self.threads is not None:
+                argv += ["--num-threads", str(self.threads)]
+            out.append((f"shard {index}.{rank}", argv))
+        return out
+
+
+@dataclass
+class ShardGroup:
+    """One replica: ``shards`` serve-shard processes. Its leader keeps its port across
+    restarts, so the router finds the replica again where it was."""
+
+    index: int
+    leader_port: int
+    plan: GroupPlan
+    members: list[Child] = field(default_factory=list)
+    restarts: int = 0
+    due_at: float | None = None       # when a broken group starts again
+    back_since: float | None = None   # when its leader last became ready
+
+    @property
+    def leader(self) -> Child:
+        return self.members[0]
+
+
+def restart_backoff(restarts: int) -> float:
+    """Seconds before the ``restarts``-th restart of a group: 1, 2, 4, ... up to 30."""
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_MIN_S * 2 ** max(restarts - 1, 0))
+
+
 class Launcher:
     def __init__(self) -> None:
-        self.children: list[Child] = []
+        self.children: list[Child] = []   # redis and the router: if one dies, everything stops
+        self.groups: list[ShardGroup] = []
         self.tmpdirs: list[str] = []
         self.stopping = False
 
@@ -54,7 +106,6 @@ class Launcher:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
         child = Child(name, proc, echo_ready=echo_ready)
-        self.children.append(child)
         threading.Thread(target=self._pump, args=(child, ready_marker), daemon=True).start()
         return child
 
@@ -71,6 +122,14 @@ class Launcher:
                 sys.stdout.write(f"[{child.name}] {line}")
             sys.stdout.flush()
 
+    def start_group(self, group: ShardGroup) -> None:
+        plan = group.plan
+        env = {"OMP_NUM_THREADS": str(plan.threads)} if plan.threads is not None else None
+        group.members = [self.spawn(name, argv, ready_marker=SHARD_READY if rank == 0 else None, env=env)
+                         for rank, (name, argv) in enumerate(plan.commands(group.index, group.leader_port,
+                                                                           free_port()))]
+        group.back_since = None
+
     def wait_ready(self, children: list[Child], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for child in children:
@@ -83,35 +142,73 @@ class Launcher:
                     raise RuntimeError(f"{child.name} was not ready within {timeout:.0f}s")
 
     def supervise(self) -> int:
+        """Until Ctrl-C: a dead shard restarts its whole group (a process group cannot
+        take one rank back) with back-off while the other groups keep serving; a dead
+        router or Redis stops everything."""
         while not self.stopping:
             for child in self.children:
                 code = child.proc.poll()
                 if code is not None:
-                    print(f"kubeshard: {child.name} exited with status {code}; stopping", file=sys.stderr, flush=True)
+                    say(f"{child.name} exited with status {code}; stopping")
                     return code or 1
-            time.sleep(0.5)
+            for group in self.groups:
+                self._tend(group, time.monotonic())
+            time.sleep(0.2)
         return 0
+
+    def _tend(self, group: ShardGroup, now: float) -> None:
+        if group.due_at is not None:
+            if now >= group.due_at:
+                group.due_at = None
+                say(f"restarting group {group.index} (restart {group.restarts})")
+                self.start_group(group)
+            return
+        dead = next((c for c in group.members if c.proc.poll() is not None), None)
+        if dead is not None:
+            group.restarts += 1
+            wait = restart_backoff(group.restarts)
+            say(f"{dead.name} exited with status {dead.proc.returncode}; restarting group {group.index} in "
+                f"{wait:g}s (the other groups keep serving)")
+            stop_children(group.members, grace=5.0)
+            group.due_at = now + wait
+        elif group.leader.ready.is_set():
+            if group.back_since is None:
+                group.back_since = now
+                if group.restarts:
+                    say(f"group {group.index} is serving again")
+            elif group.restarts and now - group.back_since >= RESTART_RESET_S:
+                group.restarts = 0  # healthy for a while: the next failure backs off from the bottom
 
     def stop(self, grace: float = 15.0) -> None:
         self.stopping = True
-        for child in reversed(self.children):  # router first, so it drains before the engines go
-            if child.proc.poll() is None:
-                try:
-                    os.killpg(child.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
-        for child in self.children:
-            try:
-                child.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                child.proc.wait()
+        # the router first, so it drains before the engines go
+        stop_children([*reversed(self.children), *(c for g in self.groups for c in g.members)], grace)
         for d in self.tmpdirs:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def say(message: str) -> None:
+    print(f"kubeshard: {message}", file=sys.stderr, flush=True)
+
+
+def stop_children(children: list[Child], grace: float) -> None:
+    """SIGTERM to each child's session, SIGKILL to those still running after ``grace``."""
+    for child in children:
+        if child.proc.poll() is None:
+            try:
+                os.killpg(child.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.proc.wait()
 
 
 def _start_redis(launcher: Launcher) -> str | None:
@@ -123,8 +220,9 @@ def _start_redis(launcher: Launcher) -> str | None:
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="kubeshard-redis-")
     launcher.tmpdirs.append(workdir)
-    launcher.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir], ready_marker="Ready to accept connections")
+    launcher.children.append(launcher.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                                      "--appendonly", "no", "--dir", workdir],
+                                            ready_marker="Ready to accept connections"))
     return f"redis://127.0.0.1:{port}/0"
 
 
@@ -141,7 +239,6 @@ def run_launcher(args) -> int:
     model_id = config.model_id
     shards = args.shards or 1
     strategy = args.strategy or "tensor"
-    python = sys.executable
     launcher = Launcher()
 
     def on_signal(signum, frame):
@@ -151,35 +248,24 @@ def run_launcher(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         redis_url = None if args.no_redis else (args.redis_url or _start_redis(launcher))
-        leaders, groups = [], []
-        for replica in range(args.replicas):
-            leader_port, master_port = free_port(), free_port()
-            for rank in range(shards):
-                argv = [python, "-m", "kubeshard_shard.cli", "--log-level", args.log_level, "serve-shard",
-                        *config.to_flags(),
-                        "--host", "127.0.0.1", "--port", str(leader_port if rank == 0 else 0),
-                        "--metrics-port", "0", "--strategy", strategy, "--shards", str(shards),
-                        "--rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-                env = {}
-                if shards > 1 and args.num_threads is None:
-                    # ranks share this machine's cores
-                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (shards * args.replicas)))
-                    argv += ["--num-threads", env["OMP_NUM_THREADS"]]
-                child = launcher.spawn(f"shard {replica}.{rank}", argv,
-                                       ready_marker=SHARD_READY if rank == 0 else None, env=env)
-                if rank == 0:
-                    groups.append(child)
-            leaders.append(f"127.0.0.1:{leader_port}")
-        for child in launcher.children:
-            if child.name == "redis":
-                launcher.wait_ready([child], 30)
-        launcher.wait_ready(groups, STARTUP_TIMEOUT_S)
+        threads = None
+        if shards > 1 and args.num_threads is None:  # ranks share this machine's cores
+            threads = max(1, (os.cpu_count() or 1) // (shards * args.replicas))
+        plan = GroupPlan(config, strategy, shards, args.log_level, threads)
+        for index in range(args.replicas):
+            group = ShardGroup(index, free_port(), plan)
+            launcher.groups.append(group)
+            launcher.start_group(group)
+        launcher.wait_ready(launcher.children, 30)  # redis
+        launcher.wait_ready([g.leader for g in launcher.groups], STARTUP_TIMEOUT_S)
+        leaders = [f"127.0.0.1:{g.leader_port}" for g in launcher.groups]
 
-        router = [python, "-m", "kubeshard_router.cli", "--host", args.host, "--port", str(args.port),
+        router = [sys.executable, "-m", "kubeshard_router.cli", "--host", args.host, "--port", str(args.port),
                   "--backend", f"{model_id}={','.join(leaders)}", "--default-model", model_id]
         router += ["--redis-url", redis_url] if redis_url else ["--no-redis"]
         router += args.router_arg
         router_child = launcher.spawn("router", router, ready_marker=READY_LINE, echo_ready=True)
+        launcher.children.append(router_child)
         launcher.wait_ready([router_child], 120)
         return launcher.supervise()
     except RuntimeError as exc:

@@ -8,12 +8,17 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from tests.support.processes import Proc, start
 from tests.support.redis_server import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +74,55 @@ def test_serve_sharded_groups_with_replicas(demo_model):
         assert all(texts)
     finally:
         stop(proc)
+
+
+def _serve_shards(launcher: Proc) -> list[psutil.Process]:
+    """The launcher's serve-shard children, oldest first."""
+    procs = [p for p in psutil.Process(launcher.proc.pid).children(recursive=True)
+             if "serve-shard" in " ".join(p.cmdline())]
+    return sorted(procs, key=lambda p: p.create_time())
+
+
+def _ready_replicas(port: int) -> int:
+    return httpx.get(f"http://127.0.0.1:{port}/info", timeout=10).json()["ready_replicas"]
+
+
+def test_a_killed_shard_restarts_its_group_while_the_other_serves(demo_model):
+    """kubeshard serve supervises like the operator: SIGKILL one replica's shard under
+    load, and every request still succeeds (the router retries it on the other replica,
+    or restarts a non-streaming answer there), the launcher says it restarts that group,
+    and the group comes back."""
+    port = free_port()
+    proc = launch([sys.executable, "-m", "kubeshard_shard.cli", "serve", "--model", str(demo_model("llama")),
+                   "--port", str(port), "--no-redis", "--replicas", "2", "--kv-cache-memory", "16MiB"])
+    results: list[int] = []
+    stop_load = threading.Event()
+
+    def load(worker: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            i = 0
+            while not stop_load.is_set():
+                r = client.post(f"http://127.0.0.1:{port}/generate", json={
+                    "inputs": f"worker {worker} request {i}", "parameters": {"max_new_tokens": 16}})
+                results.append(r.status_code)
+                i += 1
+
+    workers = [threading.Thread(target=load, args=(w,)) for w in range(4)]
+    try:
+        assert _ready_replicas(port) == 2
+        for w in workers:
+            w.start()
+        time.sleep(2)
+        victim = _serve_shards(proc)[-1]
+        victim.kill()
+        assert wait_for(lambda: "restarting group" in proc.output, timeout=30), proc.output[-3000:]
+        assert wait_for(lambda: "is serving again" in proc.output, timeout=180), proc.output[-3000:]
+        assert wait_for(lambda: _ready_replicas(port) == 2, timeout=60)
+        time.sleep(1)
+    finally:
+        stop_load.set()
+        for w in workers:
+            w.join(timeout=150)
+        stop(proc)
+    assert len(results) > 20 and set(results) == {200}, sorted(set(results))
+    assert proc.proc.returncode is not None
