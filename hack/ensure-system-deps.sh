@@ -15,6 +15,10 @@ command -v conntrack >/dev/null || need+=(conntrack)
 command -v unshare >/dev/null || need+=(util-linux)
 # The local cluster's `busybox` image runs the real busybox applets.
 command -v busybox >/dev/null || need+=(busybox)
+# The playground's browser test (tests/router/test_playground_browser.py): Debian's headless
+# Chromium and its WebDriver (never a browser a test tool downloads).
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

@@ -30,6 +30,7 @@ Modules, one job each:
 - ``counters``      per-model in-flight/queued counts in Redis for autoscaling
 - ``ratelimit``     per-key requests/tokens per minute (one Lua script per check)
 - ``auth``          API keys from a file or a Kubernetes Secret
+- ``playground``    ``GET /``: the chat page (``playground.html``) over ``/v1/chat/completions``
 - ``redis_store``   the Redis connection: short timeouts and a circuit breaker
 - ``errors``, ``http``, ``sse``, ``metrics``, ``cli``
 """

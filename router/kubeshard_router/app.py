@@ -1,5 +1,5 @@
 """The FastAPI app factory: builds the router's parts (``RouterState``), mounts the TGI and
-OpenAI routes, and maps every error to JSON."""
+OpenAI routes and the playground page, and maps every error to JSON."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from kubeshard_router.errors import RouterError, ValidationFailed
 from kubeshard_router.http import ORJSONResponse, api_of, error_response, get_state, route_of
 from kubeshard_router.openai_api import router as openai_router
 from kubeshard_router.openai_schema import ChatCompletionRequest, CompletionRequest
+from kubeshard_router.playground import router as playground_router
 from kubeshard_router.state import RouterState
 from kubeshard_router.tgi_api import router as tgi_router
 from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest
@@ -60,6 +61,7 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
     app.state.kubeshard = state
     app.include_router(tgi_router)
     app.include_router(openai_router)
+    app.include_router(playground_router)
 
     @app.get("/livez", tags=["Observability"], summary="200 while the router process runs")
     async def livez() -> Response:
