@@ -12,12 +12,11 @@ repeats one token forever, and identity tests on it would prove little.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from kubeshard_shard.paths import build_once
 
 # Bump when the written files change, so cached folders of an older format are rebuilt.
 FORMAT_VERSION = 1
@@ -272,21 +271,6 @@ def write_demo_model(out_dir: Path | str, arch: str = "llama", size: str = "tiny
 
 
 def cached_demo_model(root: Path | str, arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
-    """Returns a demo checkpoint under ``root``, writing it once. Safe across processes:
-    the folder is written under a temporary name and renamed into place."""
-    root = Path(root)
-    target = root / f"{arch}-{size}-seed{seed}-v{FORMAT_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
-        write_demo_model(tmp / "m", arch=arch, size=size, seed=seed)
-        try:
-            os.rename(tmp / "m", target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race to another writer: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """Returns a demo checkpoint under ``root``, writing it once (safe across processes)."""
+    target = Path(root) / f"{arch}-{size}-seed{seed}-v{FORMAT_VERSION}"
+    return build_once(target, lambda out: write_demo_model(out, arch=arch, size=size, seed=seed))

@@ -7,8 +7,31 @@ live there, outside any clone (default ``~/.cache/kubeshard``); delete it to reb
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("KUBESHARD_CACHE") or Path.home() / ".cache" / "kubeshard")
+
+
+def build_once(target: Path, build: Callable[[Path], None], marker: str = "config.json") -> Path:
+    """``target``, built by ``build(folder)`` unless it already holds ``marker``. Safe
+    across processes: the folder is written under a temporary name next to ``target``
+    and renamed into place; a writer that loses the race keeps the winner's folder."""
+    if (target / marker).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp / "out")
+        try:
+            os.rename(tmp / "out", target)
+        except OSError:
+            if not (target / marker).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -23,15 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
 from kubeshard_shard.models.config import CheckpointError
+from kubeshard_shard.paths import build_once
 
 log = logging.getLogger(__name__)
 
@@ -254,21 +252,8 @@ def _digest(path: Path) -> str:
 
 def converted_checkpoint(path: Path, cache: Path) -> Path:
     """The Hugging Face folder of a GGUF file, converted once and cached under ``cache``
-    (keyed by the file's content). Safe across processes: written under a temporary
-    name and renamed into place."""
+    (keyed by the file's content)."""
     target = cache / f"{path.stem}-{_digest(path)}"
-    if (target / "config.json").is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache))
-    try:
+    if not (target / "config.json").is_file():
         log.info("converting %s to a checkpoint folder under %s (once)", path, cache)
-        convert(path, tmp / "m")
-        try:
-            os.rename(tmp / "m", target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race to another converter: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(target, lambda out: convert(path, out))
