@@ -1,4 +1,6 @@
-"""`make run` and `kubeshard serve` end to end: a curl to /generate gets tokens back."""
+"""`make run` and `kubeshard serve` end to end: a curl to /generate gets tokens back, and
+the README's own curl examples against the default model (SmolLM2-135M-Instruct) give
+real text, each within seconds; the playground page is served."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import threading
 import time
 from pathlib import Path
@@ -49,6 +52,24 @@ def curl_generate(port: int, prompt: str = "Hello", n: int = 12) -> dict:
     return json.loads(r.stdout)
 
 
+def readme_examples() -> list[str]:
+    """The curl commands of the README's first example block (after `make run`), each one
+    shell command with its continuation lines."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"Then open the playground.*?```\n(.*?)```", text, re.DOTALL).group(1)
+    return re.findall(r"^curl .*?(?<!\\)$", block, re.MULTILINE | re.DOTALL)
+
+
+def run_example(command: str, port: int) -> tuple[str, float]:
+    """Runs a README example as pasted, against ``port``; (stdout, seconds). curl's
+    --max-time is a hang guard, not a benchmark (bench/results/default-model.md has those)."""
+    pasted = command.replace("127.0.0.1:8080", f"127.0.0.1:{port}").replace("curl ", "curl -sS --max-time 30 ", 1)
+    started = time.monotonic()
+    r = subprocess.run(["bash", "-c", pasted], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, (pasted, r.stderr)
+    return r.stdout, time.monotonic() - started
+
+
 def test_make_run_answers_a_curl_to_generate():
     port = free_port()
     proc = launch(["make", "--no-print-directory", "run", f"ARGS=--port {port}"])
@@ -57,6 +78,24 @@ def test_make_run_answers_a_curl_to_generate():
         out = curl_generate(port)
         assert out["generated_text"] and out["details"]["generated_tokens"] == 12
         assert len(out["details"]["tokens"]) == 12 and all("id" in t for t in out["details"]["tokens"])
+
+        # The README's examples, pasted: the default model answers, in seconds.
+        stream_example, chat_example = readme_examples()
+        assert "/generate_stream" in stream_example and "/v1/chat/completions" in chat_example
+        out, _ = run_example(stream_example, port)
+        events = [json.loads(line[5:]) for line in out.splitlines() if line.startswith("data:")]
+        assert len(events) == 20 and events[-1]["generated_text"].strip()
+        assert sum(c.isalpha() for c in events[-1]["generated_text"]) >= 20  # words, not stray tokens
+        out, seconds = run_example(chat_example, port)
+        answer = json.loads(out)
+        assert answer["model"] == "smollm2-135m-instruct"
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        assert answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] <= 30
+        print(f"README chat example: {seconds:.1f} s: {answer['choices'][0]['message']['content']!r}")
+
+        page = subprocess.run(["curl", "-sS", "--max-time", "30", f"http://127.0.0.1:{port}/"],
+                              capture_output=True, text=True)
+        assert "<title>kubeshard playground</title>" in page.stdout
     finally:
         assert stop(proc) is not None
     # everything it started is gone: nothing listens on the port any more
