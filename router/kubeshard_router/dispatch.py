@@ -59,6 +59,8 @@ class RequestContext:
     finish: Optional[pb.FinishDetails] = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # the request field a grammar came from (a grammar the engine refuses names it)
+    grammar_field: Optional[str] = None
 
 
 class Dispatcher:
@@ -111,7 +113,9 @@ class Dispatcher:
                 code = exc.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     self.metrics.backend_errors.labels(model.name, code.name).inc()
-                    raise ValidationFailed(exc.details() or "the engine refused the request") from None
+                    details = exc.details() or "the engine refused the request"
+                    field = ctx.grammar_field if details.startswith("grammar") else None
+                    raise ValidationFailed(f"`{field}`: {details}" if field else details, param=field) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted += 1
                 errors.append(f"{replica.address}: {self._error(model, replica, exc)}")
@@ -135,16 +139,18 @@ class Dispatcher:
                             + ("; ".join(errors) or "no ready replica"))
 
     async def _relay(self, model: ModelState, flight: Flight, first: pb.Token,
-                     ctx: RequestContext) -> AsyncIterator[pb.Token]:
-        """The flight's tokens, ``first`` included, up to the one with the finish (which
-        fills in ``ctx``); raises ``IncompleteGeneration`` when the replica fails, stalls or
-        ends the stream before a finish. Closes the flight when done."""
+                     ctx: RequestContext, sequences: int) -> AsyncIterator[pb.Token]:
+        """The flight's tokens, ``first`` included, up to the last finish of its
+        ``sequences`` (which fills in ``ctx``); raises ``IncompleteGeneration`` when the
+        replica fails, stalls or ends the stream before then. Closes the flight when done."""
         address = flight.replica.address
         self.watchdog.watch(flight)
         try:
-            token, count = first, 1
+            token, count, finished = first, 1, 0
             while True:
                 if token.HasField("finish"):
+                    finished += 1
+                if finished == sequences:
                     ctx.finish = token.finish
                     ctx.generated_tokens = count
                     ctx.end_at = time.perf_counter()
@@ -178,7 +184,7 @@ class Dispatcher:
             flight, first = await self._open(model, request, key, [], ctx, [])
             sent = 0
             try:
-                async with aclosing(self._relay(model, flight, first, ctx)) as tokens:
+                async with aclosing(self._relay(model, flight, first, ctx, engine.n)) as tokens:
                     async for token in tokens:
                         sent += 1
                         yield token
@@ -199,7 +205,7 @@ class Dispatcher:
             while True:
                 flight, first = await self._open(model, request, key, tried, ctx, errors)
                 try:
-                    async with aclosing(self._relay(model, flight, first, ctx)) as tokens:
+                    async with aclosing(self._relay(model, flight, first, ctx, engine.n)) as tokens:
                         return [token async for token in tokens]
                 except IncompleteGeneration as exc:
                     errors.append(exc.message)

@@ -16,6 +16,21 @@ import orjson
 from kubeshard_proto import pb
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarRequest:
+    """A structured-output constraint (``pb.Grammar``): ``kind`` is json_schema, regex,
+    ebnf, choice or structural_tag; ``value`` its text, or the choices."""
+
+    kind: str
+    value: str | tuple[str, ...]
+    field: str = "grammar"  # the request field it came from, named in errors
+
+    def to_proto(self) -> pb.Grammar:
+        if self.kind == "choice":
+            return pb.Grammar(choice=pb.ChoiceList(choices=list(self.value)))
+        return pb.Grammar(**{self.kind: self.value})
+
+
 @dataclass(slots=True)
 class EngineRequest:
     input_ids: list[int]
@@ -33,6 +48,23 @@ class EngineRequest:
     ignore_eos: bool = False
     top_n_tokens: int = 0
     prefill_details: bool = False
+    # vLLM's extensions
+    min_p: Optional[float] = None
+    logit_bias: Optional[dict[int, float]] = None
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prefill_top_n_tokens: int = 0
+    # sequences generated from the prompt (n, or best_of)
+    n: int = 1
+    grammar: Optional[GrammarRequest] = None
+    adapter: Optional[str] = None
+
+    @property
+    def token_budget(self) -> int:
+        """The most tokens this request can generate (all its sequences)."""
+        return self.max_new_tokens * self.n
 
     @property
     def deterministic(self) -> bool:
@@ -52,21 +84,37 @@ class EngineRequest:
                 sampling.typical_p = self.typical_p
             if self.seed is not None:
                 sampling.seed = self.seed
+            if self.min_p is not None:
+                sampling.min_p = self.min_p
+        if self.logit_bias:
+            sampling.logit_bias.update(self.logit_bias)
         if self.repetition_penalty is not None:
             sampling.repetition_penalty = self.repetition_penalty
         if self.frequency_penalty is not None:
             sampling.frequency_penalty = self.frequency_penalty
         if self.presence_penalty is not None:
             sampling.presence_penalty = self.presence_penalty
-        return pb.GenerateRequest(
+        request = pb.GenerateRequest(
             request_id=request_id,
             input_ids=self.input_ids,
             sampling=sampling,
             stopping=pb.StoppingCriteria(max_new_tokens=self.max_new_tokens,
-                                         stop_sequences=self.stop, ignore_eos=self.ignore_eos),
+                                         stop_sequences=self.stop, ignore_eos=self.ignore_eos,
+                                         stop_token_ids=self.stop_token_ids,
+                                         min_new_tokens=self.min_new_tokens),
             top_n_tokens=self.top_n_tokens,
             prefill_details=self.prefill_details,
+            prefill_top_n_tokens=self.prefill_top_n_tokens,
+            n=self.n if self.n > 1 else 0,
+            adapter=self.adapter or "",
         )
+        if not self.skip_special_tokens:
+            request.skip_special_tokens = False
+        if not self.spaces_between_special_tokens:
+            request.spaces_between_special_tokens = False
+        if self.grammar is not None:
+            request.grammar.CopyFrom(self.grammar.to_proto())
+        return request
 
     def fingerprint(self) -> str:
         """A stable digest of everything that decides the output (for cache keys)."""
@@ -78,5 +126,10 @@ class EngineRequest:
             self.seed if sampled else None,
             self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
             list(self.stop), self.ignore_eos, self.top_n_tokens, self.prefill_details,
+            self.min_p if sampled else None, sorted((self.logit_bias or {}).items()),
+            sorted(self.stop_token_ids), self.min_new_tokens, self.skip_special_tokens,
+            self.spaces_between_special_tokens, self.prefill_top_n_tokens, self.n,
+            None if self.grammar is None else [self.grammar.kind, self.grammar.value],
+            self.adapter,
         )
         return hashlib.blake2b(orjson.dumps(normalized), digest_size=20).hexdigest()

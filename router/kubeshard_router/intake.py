@@ -174,7 +174,8 @@ class Intake:
             planned = plan(body, tokenizer, limits)
             ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
             ctx.prompt_tokens = planned.prompt_tokens
-            bucket = await self._charge(key, request, planned.prompt_tokens + planned.engine.max_new_tokens)
+            ctx.grammar_field = planned.engine.grammar.field if planned.engine.grammar is not None else None
+            bucket = await self._charge(key, request, planned.prompt_tokens + planned.engine.token_budget)
         except RouterError as exc:
             self.metrics.tgi_request_count.inc((label,))
             self.metrics.tgi_request_failure.inc((label, exc.error_type))
@@ -193,7 +194,7 @@ class Intake:
         if admitted.bucket is not None:
             key = admitted.key
             tpm = key.tpm if key is not None and key.tpm is not None else self.config.rate_limit_tpm
-            self.ratelimiter.refund(admitted.bucket, tpm, admitted.plan.engine.max_new_tokens - ctx.generated_tokens)
+            self.ratelimiter.refund(admitted.bucket, tpm, admitted.plan.engine.token_budget - ctx.generated_tokens)
         if started or error_type is None:
             self.metrics.count_request(name, route, 200)
         elif error_type == "cancelled":

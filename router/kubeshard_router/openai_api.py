@@ -13,8 +13,8 @@ from kubeshard_router import __version__
 from kubeshard_router.backends.model import ModelState
 from kubeshard_router.dispatch import RequestContext
 from kubeshard_router.http import ORJSONResponse, error_response, get_intake, get_state, json_body_doc
-from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrimmer, chat_logprob,
-                                            trim_stop, usage)
+from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrimmer, best_sequences,
+                                            chat_logprob, prompt_logprobs, stop_reason, trim_stop, usage)
 from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIPlan,
                                             plan_chat, plan_completion)
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
@@ -43,12 +43,14 @@ class _Shapes:
             self.base["usage"] = None
 
     def chunk(self, text: str, finish_reason: Optional[str], logprobs: Optional[dict],
-              role: bool = False) -> bytes:
+              index: int = 0, extra: Optional[dict] = None) -> bytes:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text, "tool_calls": None}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if extra:
+            choice.update(extra)
         return sse_event({**self.base, "choices": [choice]})
 
     def token_logprobs(self, t: pb.Token) -> Optional[dict]:
@@ -61,61 +63,92 @@ class _Shapes:
         return lp.as_dict()
 
 
+def _text(t: pb.Token, plan: OpenAIPlan) -> str:
+    return "" if t.special and plan.skip_special_tokens else t.text
+
+
 async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: OpenAIPlan, ctx: RequestContext,
                   chat: bool) -> AsyncIterator[bytes]:
+    """SSE chunks; with n > 1 the choices' chunks interleave, each with its index."""
     shapes = _Shapes(chat, model, ctx, plan)
-    trimmer = StopTrimmer(plan.stop)
-    n = 0
+    trimmers: dict[int, StopTrimmer] = {}
+    texts: dict[int, str] = {}
+    left = plan.engine.n
     async for t in tokens:
-        n += 1
+        i = t.sequence
         out = b""
-        if n == 1:
+        if i not in trimmers:
+            trimmers[i], texts[i] = StopTrimmer(plan.stop, plan.keep_stop), ""
+            extra = ({"prompt_logprobs": prompt_logprobs(t)} if plan.prompt_logprobs is not None and i == 0
+                     and t.prefill else None)
             if chat:
-                out += shapes.chunk("", None, None)
+                out += shapes.chunk("", None, None, i, extra)
             elif plan.echo:
-                out += shapes.chunk(plan.prompt_text, None, None)
-        text = "" if t.special else t.text
+                out += shapes.chunk(plan.prompt_text, None, None, i, extra)
+            elif extra:
+                out += shapes.chunk("", None, None, i, extra)
+        text = _text(t, plan)
+        texts[i] += text
         logprobs = shapes.token_logprobs(t)
         if t.HasField("finish"):
+            left -= 1
             stopped = t.finish.reason == pb.FINISH_REASON_STOP_SEQUENCE
-            out += shapes.chunk(trimmer.finish(text, stopped), FINISH.get(t.finish.reason, "stop"),
-                                logprobs)
-            if plan.include_usage:
-                out += sse_event({**shapes.base, "choices": [],
-                                  "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, t.finish)})
-            out += SSE_DONE
+            reason = stop_reason(t.finish, t, texts[i], plan.stop)
+            out += shapes.chunk(trimmers[i].finish(text, stopped), FINISH.get(t.finish.reason, "stop"),
+                                logprobs, i, {"stop_reason": reason} if reason is not None else None)
+            if left == 0:
+                if plan.include_usage:
+                    out += sse_event({**shapes.base, "choices": [],
+                                      "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, t.finish)})
+                out += SSE_DONE
         else:
-            emit = trimmer.feed(text)
+            emit = trimmers[i].feed(text)
             if emit or logprobs is not None:
-                out += shapes.chunk(emit, None, logprobs)
+                out += shapes.chunk(emit, None, logprobs, i)
         if out:
             yield out
 
 
-def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPlan,
-              tokens: list[pb.Token]) -> dict:
+def _choice(chat: bool, plan: OpenAIPlan, tokens: list[pb.Token], index: int, first: pb.Token) -> dict:
     finish = tokens[-1].finish
-    text = trim_stop("".join(t.text for t in tokens if not t.special), plan.stop, finish)
+    raw = "".join(_text(t, plan) for t in tokens)
+    text = trim_stop(raw, plan.stop, finish, plan.keep_stop)
     reason = FINISH.get(finish.reason, "stop")
-    common = {"created": int(time.time()), "model": model.name,
-              "system_fingerprint": _fingerprint(model),
-              "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, finish)}
+    extra = {}
+    why = stop_reason(finish, tokens[-1], raw, plan.stop)
+    if why is not None:
+        extra["stop_reason"] = why
     if chat:
         logprobs = ({"content": [chat_logprob(t) for t in tokens]} if plan.logprobs is not None else None)
-        return {"id": "chatcmpl-" + ctx.request_id, "object": "chat.completion", **common,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, "finish_reason": reason}]}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": reason, **extra}
     lp = None
     if plan.logprobs is not None:
         lp = CompletionLogprobs()
         if plan.echo:
-            for p in tokens[0].prefill:
+            for p in first.prefill:
                 lp.add(p.text, p.logprob if p.HasField("logprob") else None, None)
         for t in tokens:
             lp.add_token(t)
-    return {"id": "cmpl-" + ctx.request_id, "object": "text_completion", **common,
-            "choices": [{"index": 0, "text": (plan.prompt_text + text) if plan.echo else text,
-                         "logprobs": lp.as_dict() if lp is not None else None, "finish_reason": reason}]}
+    if plan.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = prompt_logprobs(first)
+    return {"index": index, "text": (plan.prompt_text + text) if plan.echo else text,
+            "logprobs": lp.as_dict() if lp is not None else None, "finish_reason": reason, **extra}
+
+
+def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPlan,
+              tokens: list[pb.Token]) -> dict:
+    common = {"created": int(time.time()), "model": model.name,
+              "system_fingerprint": _fingerprint(model),
+              "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, tokens[-1].finish)}
+    first = next(t for t in tokens if t.sequence == 0)
+    choices = [_choice(chat, plan, seq, i, first) for i, seq in enumerate(best_sequences(tokens, plan.n))]
+    if chat:
+        body = {"id": "chatcmpl-" + ctx.request_id, "object": "chat.completion", **common, "choices": choices}
+        if plan.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs(first)
+        return body
+    return {"id": "cmpl-" + ctx.request_id, "object": "text_completion", **common, "choices": choices}
 
 
 async def _serve(request: Request, chat: bool) -> Response:

@@ -12,12 +12,61 @@ from typing import Optional
 from kubeshard_proto import pb
 
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS_TOKEN: "stop",
-          pb.FINISH_REASON_STOP_SEQUENCE: "stop"}
+          pb.FINISH_REASON_STOP_SEQUENCE: "stop", pb.FINISH_REASON_STOP_TOKEN: "stop"}
+
+
+def stop_reason(finish: pb.FinishDetails, last: pb.Token, text: str, stops: tuple[str, ...]):
+    """vLLM's ``stop_reason``: the stop token id or the stop string that ended a choice."""
+    if finish.reason == pb.FINISH_REASON_STOP_TOKEN:
+        return last.id
+    if finish.reason == pb.FINISH_REASON_STOP_SEQUENCE:
+        found = [s for s in stops if s in text]
+        return max(found, key=lambda s: (text.rfind(s), len(s))) if found else None
+    return None
+
+
+def prompt_logprobs(first: pb.Token) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
+    ``{token id: {logprob, rank, decoded_token}}`` for the token and its alternatives."""
+    out: list = []
+    for i, p in enumerate(first.prefill):
+        if i == 0 or not p.HasField("logprob"):
+            out.append(None)
+            continue
+        entry = {str(p.id): {"logprob": p.logprob, "rank": None, "decoded_token": p.text}}
+        for rank, alt in enumerate(p.top_tokens, 1):
+            if alt.id == p.id:
+                entry[str(p.id)]["rank"] = rank
+            else:
+                entry[str(alt.id)] = {"logprob": alt.logprob, "rank": rank, "decoded_token": alt.text}
+        out.append(entry)
+    return out
+
+
+def split_sequences(tokens: list[pb.Token]) -> list[list[pb.Token]]:
+    """A stream's tokens per sequence, in sequence order."""
+    seqs: dict[int, list[pb.Token]] = {}
+    for t in tokens:
+        seqs.setdefault(t.sequence, []).append(t)
+    return [seqs[i] for i in sorted(seqs)]
+
+
+def best_sequences(tokens: list[pb.Token], n: int) -> list[list[pb.Token]]:
+    """The ``n`` sequences with the highest cumulative logprob (best_of), likeliest first;
+    all of them in order when there are only ``n``."""
+    seqs = split_sequences(tokens)
+    if len(seqs) <= n:
+        return seqs
+    return sorted(seqs, key=lambda s: -s[-1].finish.cumulative_logprob)[:n]
 
 
 class StopTrimmer:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    """``keep``: the stop sequence stays in the text, only what follows it is dropped
+    (vLLM's include_stop_str_in_output)."""
+
+    def __init__(self, stops: tuple[str, ...], keep: bool = False) -> None:
         self.stops = stops
+        self.keep = keep
         self.max_hold = max((len(s) for s in stops), default=1) - 1
         self.held = ""
 
@@ -42,15 +91,15 @@ class StopTrimmer:
         if stopped and self.stops:
             for s in sorted(self.stops, key=len, reverse=True):
                 if buf.endswith(s):
-                    return buf[: -len(s)]
-            cut = max(buf.rfind(s) for s in self.stops)
+                    return buf if self.keep else buf[: -len(s)]
+            cut, stop = max((buf.rfind(s), s) for s in self.stops)
             if cut >= 0:
-                return buf[:cut]
+                return buf[:cut + len(stop)] if self.keep else buf[:cut]
         return buf
 
 
-def trim_stop(text: str, stops: tuple[str, ...], finish: pb.FinishDetails) -> str:
-    return StopTrimmer(stops).finish(text, finish.reason == pb.FINISH_REASON_STOP_SEQUENCE)
+def trim_stop(text: str, stops: tuple[str, ...], finish: pb.FinishDetails, keep: bool = False) -> str:
+    return StopTrimmer(stops, keep).finish(text, finish.reason == pb.FINISH_REASON_STOP_SEQUENCE)
 
 
 def usage(prompt_tokens: int, generated: int, finish: Optional[pb.FinishDetails]) -> dict:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from kubeshard_router.engine_request import EngineRequest
+from kubeshard_router.engine_request import EngineRequest, GrammarRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ChatTemplateError, ModelTokenizer
 from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, RequestBody, check_budget,
@@ -21,14 +22,41 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: Union[str, dict[str, Any], None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Union[str, dict[str, Any], None] = None
+
+
 class _Common(RequestBody):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Optional[str] = Field(None, description="Model name; default: the router's default model.")
     frequency_penalty: Optional[float] = Field(None, description="In [-2, 2].", json_schema_extra=_doc(minimum=-2, maximum=2))
     presence_penalty: Optional[float] = Field(None, description="In [-2, 2].", json_schema_extra=_doc(minimum=-2, maximum=2))
-    logit_bias: Optional[dict[str, float]] = Field(None, description="Not supported; must be empty.")
-    n: Optional[int] = Field(None, description="Only 1 is supported.", json_schema_extra=_doc(minimum=1, maximum=1))
+    logit_bias: Optional[dict[str, float]] = Field(None, description="Token id (a string) -> bias in [-100, 100].")
+    n: Optional[int] = Field(None, description="Choices to generate, up to the server's max sequences per request.",
+                             json_schema_extra=_doc(minimum=1))
     seed: Optional[int] = Field(None, json_schema_extra=_doc(minimum=0, maximum=UINT64_MAX))
     stop: Union[str, list[str], None] = Field(None, description="Up to the server's max stop sequences.",
                                               json_schema_extra=_doc(maxItems=4))
@@ -38,10 +66,28 @@ class _Common(RequestBody):
                                          json_schema_extra=_doc(minimum=0, maximum=2))
     top_p: Optional[float] = Field(None, description="In (0, 1].", json_schema_extra=_doc(exclusiveMinimum=0, maximum=1))
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
     # Extensions (as vLLM and TGI accept them).
-    top_k: Optional[int] = Field(None, description="Extension: > 0.", json_schema_extra=_doc(minimum=1))
+    top_k: Optional[int] = Field(None, description="Extension: > 0; -1 or 0 (vLLM): no top-k filter.",
+                                 json_schema_extra=_doc(minimum=-1))
     repetition_penalty: Optional[float] = Field(None, description="Extension: > 0.",
                                                 json_schema_extra=_doc(exclusiveMinimum=0))
+    min_p: Optional[float] = Field(None, description="Extension: in [0, 1].", json_schema_extra=_doc(minimum=0, maximum=1))
+    ignore_eos: bool = Field(False, description="Extension: keep generating after end-of-sequence.")
+    min_tokens: Optional[int] = Field(None, description="Extension: tokens before EOS or a stop may end the output.",
+                                      json_schema_extra=_doc(minimum=0))
+    stop_token_ids: Optional[list[int]] = Field(None, description="Extension: token ids that end the output.")
+    include_stop_str_in_output: bool = Field(False, description="Extension: keep a matched stop string.")
+    skip_special_tokens: bool = Field(True, description="Extension: leave special tokens out of the text.")
+    spaces_between_special_tokens: bool = Field(True, description="Extension: a space around special tokens' "
+                                                                   "text (with skip_special_tokens false).")
+    prompt_logprobs: Optional[int] = Field(None, description="Extension: logprobs (and this many alternatives) "
+                                                             "of each prompt token.", json_schema_extra=_doc(minimum=0))
+    guided_json: Union[str, dict[str, Any], None] = Field(None, description="Extension: a JSON schema the output follows.")
+    guided_regex: Optional[str] = Field(None, description="Extension: a regex the output matches.")
+    guided_choice: Optional[list[str]] = Field(None, description="Extension: the output is one of these.")
+    guided_grammar: Optional[str] = Field(None, description="Extension: an EBNF (GBNF) grammar the output follows.")
+    structured_outputs: Optional[StructuredOutputs] = Field(None, description="Extension (vLLM): one constraint.")
 
     def requested_model(self) -> Optional[str]:
         return self.model
@@ -54,7 +100,8 @@ class CompletionRequest(_Common):
     echo: bool = False
     logprobs: Optional[int] = Field(None, description="Alternatives per token, <= the server max.",
                                     json_schema_extra=_doc(minimum=0, maximum=5))
-    best_of: Optional[int] = Field(None, description="Only 1 is supported.", json_schema_extra=_doc(minimum=1, maximum=1))
+    best_of: Optional[int] = Field(None, description="Generate this many (>= n) and return the n likeliest.",
+                                   json_schema_extra=_doc(minimum=1))
     suffix: Optional[str] = Field(None, description="Not supported.")
 
 
@@ -71,11 +118,6 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str = "text"
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., json_schema_extra=_doc(minItems=1))
     max_tokens: Optional[int] = Field(None, description="Default: what the total-token limit leaves.",
@@ -86,7 +128,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = Field(None, json_schema_extra=_doc(minimum=0, maximum=5))
     tools: Optional[list[Any]] = Field(None, description="Not supported; must be empty.")
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[ResponseFormat] = None
 
 
 @dataclass(slots=True)
@@ -94,10 +135,129 @@ class OpenAIPlan:
     engine: EngineRequest
     prompt_tokens: int
     prompt_text: str
-    stop: tuple[str, ...]
+    stop: tuple[str, ...]    # stop strings: trimmed from the text, or kept (include_stop_str_in_output)
     logprobs: Optional[int]  # None: no logprobs; k: chosen token + k alternatives
     echo: bool
     include_usage: bool
+    n: int = 1               # choices returned; the engine generates engine.n >= n (best_of)
+    keep_stop: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = None
+
+
+def _grammar(req: "_Common") -> Optional[GrammarRequest]:
+    """The one structured-output constraint of a request, from whichever field holds it."""
+    found: list[tuple[str, GrammarRequest]] = []
+
+    def schema(value: Any, field: str) -> GrammarRequest:
+        if isinstance(value, str):
+            try:
+                value = orjson.loads(value)
+            except orjson.JSONDecodeError as exc:
+                raise ValidationFailed(f"`{field}` is not valid JSON: {exc}", param=field) from None
+        if not isinstance(value, (dict, bool)):
+            raise ValidationFailed(f"`{field}` must be a JSON schema (an object)", param=field)
+        return GrammarRequest("json_schema", orjson.dumps(value).decode(), field)
+
+    def text(value: str, field: str, kind: str) -> GrammarRequest:
+        if not value:
+            raise ValidationFailed(f"`{field}` must not be empty", param=field)
+        return GrammarRequest(kind, value, field)
+
+    def choice(value: list[str], field: str) -> GrammarRequest:
+        if not value or any(not c for c in value):
+            raise ValidationFailed(f"`{field}` must be a non-empty list of non-empty strings", param=field)
+        return GrammarRequest("choice", tuple(value), field)
+
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(("response_format", GrammarRequest("json_schema", '{"type":"object"}', "response_format")))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValidationFailed("`response_format.json_schema.schema` is required with type 'json_schema'",
+                                       param="response_format")
+            found.append(("response_format", schema(rf.json_schema.schema_, "response_format.json_schema.schema")))
+        else:
+            raise ValidationFailed(f"`response_format.type` {rf.type!r} is not supported; one of 'text', "
+                                   f"'json_object', 'json_schema'", param="response_format")
+    if req.guided_json is not None:
+        found.append(("guided_json", schema(req.guided_json, "guided_json")))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", text(req.guided_regex, "guided_regex", "regex")))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", choice(req.guided_choice, "guided_choice")))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", text(req.guided_grammar, "guided_grammar", "ebnf")))
+    so = req.structured_outputs
+    if so is not None:
+        inner = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                   ("grammar", so.grammar), ("structural_tag", so.structural_tag))
+                 if value is not None] + ([("json_object", True)] if so.json_object else [])
+        if len(inner) != 1:
+            raise ValidationFailed("`structured_outputs` must hold exactly one of json, regex, choice, grammar, "
+                                   "json_object, structural_tag", param="structured_outputs")
+        name, value = inner[0]
+        field = f"structured_outputs.{name}"
+        if name == "json":
+            found.append((field, schema(value, field)))
+        elif name == "regex":
+            found.append((field, text(value, field, "regex")))
+        elif name == "choice":
+            found.append((field, choice(value, field)))
+        elif name == "grammar":
+            found.append((field, text(value, field, "ebnf")))
+        elif name == "json_object":
+            found.append((field, GrammarRequest("json_schema", '{"type":"object"}', field)))
+        else:
+            tag = value if isinstance(value, str) else orjson.dumps(value).decode()
+            found.append((field, text(tag, field, "structural_tag")))
+    if len(found) > 1:
+        raise ValidationFailed("only one structured-output constraint may be given; got "
+                               + ", ".join(f"`{name}`" for name, _ in found), param=found[1][0])
+    return found[0][1] if found else None
+
+
+def _sequences(req: "_Common", best_of: Optional[int], limits: Limits) -> tuple[int, int]:
+    """(choices returned, sequences generated)."""
+    n = 1 if req.n is None else req.n
+    most = limits.max_sequences
+    if not 1 <= n <= most:
+        raise ValidationFailed(f"`n` must be >= 1 and <= {most} (this model's max sequences per request). "
+                               f"Given: {n}", param="n")
+    if best_of is None:
+        return n, n
+    if not n <= best_of <= most:
+        raise ValidationFailed(f"`best_of` must be >= `n` ({n}) and <= {most}. Given: {best_of}", param="best_of")
+    if best_of > n and req.stream:
+        raise ValidationFailed("`best_of` > `n` cannot stream: the best sequences are known only at the end",
+                               param="best_of")
+    return n, best_of
+
+
+def _token_ids(ids: Optional[list[int]], field: str, limits: Limits) -> tuple[int, ...]:
+    if not ids:
+        return ()
+    check_token_ids(ids, limits.vocab_size, field)
+    return tuple(ids)
+
+
+def _logit_bias(bias: Optional[dict[str, float]], limits: Limits) -> Optional[dict[int, float]]:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValidationFailed(f"`logit_bias` keys must be token ids; got {key!r}", param="logit_bias") from None
+        if not 0 <= token < limits.vocab_size:
+            raise ValidationFailed(f"`logit_bias[{key}]`: {token} is not a token id of this model (vocabulary size "
+                                   f"{limits.vocab_size})", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise ValidationFailed(f"`logit_bias[{key}]` must be in [-100, 100]. Given: {value}", param="logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _range(value: Optional[float], name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -109,11 +269,6 @@ def _range(value: Optional[float], name: str, lo: float, hi: float, lo_open: boo
 
 
 def _common(req: _Common, limits: Limits) -> dict[str, Any]:
-    if req.n is not None and req.n != 1:
-        raise ValidationFailed(f"`n` must be 1: kubeshard returns one choice per request. Given: {req.n}",
-                               param="n")
-    if req.logit_bias:
-        raise ValidationFailed("`logit_bias` is not supported by kubeshard", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise ValidationFailed("`stream_options` is only allowed when `stream` is true",
                                param="stream_options")
@@ -121,8 +276,15 @@ def _common(req: _Common, limits: Limits) -> dict[str, Any]:
     _range(req.top_p, "top_p", 0.0, 1.0, lo_open=True)
     _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
-    if req.top_k is not None and req.top_k <= 0:
-        raise ValidationFailed("`top_k` must be strictly positive", param="top_k")
+    if req.top_k is not None and req.top_k < -1:
+        raise ValidationFailed(f"`top_k` must be -1 or 0 (no filter) or strictly positive. Given: {req.top_k}",
+                               param="top_k")
+    _range(req.min_p, "min_p", 0.0, 1.0)
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise ValidationFailed(f"`min_tokens` must be >= 0. Given: {req.min_tokens}", param="min_tokens")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= limits.max_top_n_tokens:
+        raise ValidationFailed(f"`prompt_logprobs` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                               f"Given: {req.prompt_logprobs}", param="prompt_logprobs")
     if req.repetition_penalty is not None and req.repetition_penalty <= 0:
         raise ValidationFailed("`repetition_penalty` must be strictly positive", param="repetition_penalty")
     stop_list = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -132,13 +294,35 @@ def _common(req: _Common, limits: Limits) -> dict[str, Any]:
         do_sample=do_sample,
         temperature=temperature if do_sample else None,
         top_p=req.top_p if req.top_p is not None and req.top_p < 1.0 else None,
-        top_k=min(req.top_k, limits.vocab_size, UINT32_MAX) if req.top_k is not None else None,
+        top_k=min(req.top_k, limits.vocab_size, UINT32_MAX) if req.top_k is not None and req.top_k > 0 else None,
         repetition_penalty=req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or None,
         presence_penalty=req.presence_penalty or None,
         seed=check_seed(req.seed),
         stop=check_stop(stop_list, limits),
+        min_p=req.min_p or None,
+        logit_bias=_logit_bias(req.logit_bias, limits),
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=_token_ids(req.stop_token_ids, "stop_token_ids", limits),
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        grammar=_grammar(req),
     )
+
+
+def _min_tokens(req: _Common, max_new: int) -> int:
+    if req.min_tokens and req.min_tokens > max_new:
+        raise ValidationFailed(f"`min_tokens` ({req.min_tokens}) must be <= the maximum number of new tokens "
+                               f"({max_new})", param="min_tokens")
+    return req.min_tokens or 0
+
+
+def _plan(req: _Common, engine: EngineRequest, prompt_tokens: int, text: str, logprobs: Optional[int],
+          echo: bool, n: int) -> OpenAIPlan:
+    return OpenAIPlan(engine=engine, prompt_tokens=prompt_tokens, prompt_text=text,
+                      stop=engine.stop, keep_stop=req.include_stop_str_in_output, logprobs=logprobs, echo=echo,
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      n=n, skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs)
 
 
 def _max_tokens(value: Optional[int], name: str) -> Optional[int]:
@@ -148,8 +332,7 @@ def _max_tokens(value: Optional[int], name: str) -> Optional[int]:
 
 
 def plan_completion(req: CompletionRequest, tokenizer: ModelTokenizer, limits: Limits) -> OpenAIPlan:
-    if req.best_of is not None and req.best_of != 1:
-        raise ValidationFailed(f"`best_of` must be 1. Given: {req.best_of}", param="best_of")
+    n, sequences = _sequences(req, req.best_of, limits)
     if req.suffix:
         raise ValidationFailed("`suffix` is not supported by kubeshard", param="suffix")
     if req.logprobs is not None and not (0 <= req.logprobs <= limits.max_top_n_tokens):
@@ -174,11 +357,12 @@ def plan_completion(req: CompletionRequest, tokenizer: ModelTokenizer, limits: L
     max_new = check_budget(len(ids), _max_tokens(req.max_tokens, "max_tokens"), limits,
                            input_field="prompt", max_new_field="max_tokens")
     logprobs = req.logprobs
+    prompt_logprobs = req.prompt_logprobs
     engine = EngineRequest(input_ids=ids, max_new_tokens=max_new, top_n_tokens=logprobs or 0,
-                           prefill_details=bool(req.echo and logprobs is not None), **params)
-    return OpenAIPlan(engine=engine, prompt_tokens=len(ids), prompt_text=text, stop=engine.stop,
-                      logprobs=logprobs, echo=req.echo,
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                           prefill_details=bool(req.echo and logprobs is not None) or prompt_logprobs is not None,
+                           prefill_top_n_tokens=prompt_logprobs or 0, min_new_tokens=_min_tokens(req, max_new),
+                           n=sequences, **params)
+    return _plan(req, engine, len(ids), text, logprobs, req.echo, n)
 
 
 def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -215,9 +399,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
         raise ValidationFailed("`tools` are not supported by kubeshard", param="tools")
     if req.tool_choice not in (None, "none", "auto"):
         raise ValidationFailed("`tool_choice` is not supported by kubeshard", param="tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ValidationFailed(f"`response_format.type` {req.response_format.type!r} is not supported; "
-                               f"only 'text'", param="response_format")
+    n, sequences = _sequences(req, None, limits)
     top_logprobs = req.top_logprobs
     if top_logprobs is not None:
         if not req.logprobs:
@@ -237,9 +419,10 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
     max_new = check_budget(len(ids), _max_tokens(max_tokens, field), limits,
                            input_field="messages", max_new_field=field)
     logprobs = (top_logprobs or 0) if req.logprobs else None
-    engine = EngineRequest(input_ids=ids, max_new_tokens=max_new, top_n_tokens=logprobs or 0, **params)
-    return OpenAIPlan(engine=engine, prompt_tokens=len(ids), prompt_text=text, stop=engine.stop,
-                      logprobs=logprobs, echo=False,
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+    prompt_logprobs = req.prompt_logprobs
+    engine = EngineRequest(input_ids=ids, max_new_tokens=max_new, top_n_tokens=logprobs or 0,
+                           prefill_details=prompt_logprobs is not None, prefill_top_n_tokens=prompt_logprobs or 0,
+                           min_new_tokens=_min_tokens(req, max_new), n=sequences, **params)
+    return _plan(req, engine, len(ids), text, logprobs, False, n)
 
 

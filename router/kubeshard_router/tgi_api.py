@@ -23,7 +23,7 @@ from kubeshard_router.validation import Limits
 router = APIRouter(tags=["TGI"])
 
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS_TOKEN: "eos_token",
-                  pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence"}
+                  pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence", pb.FINISH_REASON_STOP_TOKEN: "stop_sequence"}
 
 
 def _token(t: pb.Token) -> dict:

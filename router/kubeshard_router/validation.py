@@ -33,6 +33,8 @@ class Limits:
     vocab_size: int
     max_top_n_tokens: int = 5
     max_stop_sequences: int = 4
+    # sequences one request may ask for (n, best_of): the leader's max_sequences_per_request
+    max_sequences: int = 1
 
 
 class RequestBody(pydantic.BaseModel):

@@ -145,7 +145,8 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}]}
 
 
 @pytest.mark.parametrize("extra, message, param", [
-    ({"n": 2}, "`n` must be 1", "n"),
+    ({"n": 2}, "`n` must be >= 1 and <= 1 (this model's max sequences per request)", "n"),
+    ({"n": 0}, "`n` must be >= 1", "n"),
     ({"temperature": 2.5}, "`temperature` must be in [0.0, 2.0]. Given: 2.5", "temperature"),
     ({"top_p": 0}, "`top_p` must be in (0.0, 1.0]", "top_p"),
     ({"presence_penalty": -3}, "`presence_penalty` must be in [-2.0, 2.0]", "presence_penalty"),
@@ -154,9 +155,27 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}]}
     ({"max_completion_tokens": 0}, "`max_completion_tokens` must be strictly positive",
      "max_completion_tokens"),
     ({"stop": ["a"] * 5}, "`stop` supports up to 4", "stop"),
-    ({"logit_bias": {"5": 1.0}}, "`logit_bias` is not supported", "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "`logit_bias` keys must be token ids", "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "`logit_bias[5]` must be in [-100, 100]", "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "`logit_bias[99999]`: 99999 is not a token id", "logit_bias"),
+    ({"top_k": -2}, "`top_k` must be -1 or 0 (no filter) or strictly positive", "top_k"),
+    ({"min_p": 1.5}, "`min_p` must be in [0.0, 1.0]", "min_p"),
+    ({"min_tokens": -1}, "`min_tokens` must be >= 0", "min_tokens"),
+    ({"max_tokens": 4, "min_tokens": 5}, "`min_tokens` (5) must be <= the maximum number of new tokens (4)",
+     "min_tokens"),
+    ({"stop_token_ids": [99999]}, "`stop_token_ids[0]` = 99999 is not a token id", "stop_token_ids"),
+    ({"prompt_logprobs": 9}, "`prompt_logprobs` must be >= 0 and <= 5", "prompt_logprobs"),
+    ({"ignore_eos": "maybe"}, "`ignore_eos`", "ignore_eos"),
+    ({"guided_json": "{nope"}, "`guided_json` is not valid JSON", "guided_json"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "only one structured-output constraint",
+     "guided_regex"),
+    ({"guided_choice": []}, "`guided_choice` must be a non-empty list", "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "`structured_outputs` must hold exactly one",
+     "structured_outputs"),
+    ({"response_format": {"type": "json_schema"}}, "`response_format.json_schema.schema` is required",
+     "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "`tools` are not supported", "tools"),
-    ({"response_format": {"type": "json_object"}}, "`response_format.type`", "response_format"),
+    ({"response_format": {"type": "xml"}}, "`response_format.type`", "response_format"),
     ({"top_logprobs": 2}, "`top_logprobs` needs `logprobs` set to true", "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 9}, "`top_logprobs` must be >= 0 and <= 5", "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "`stream_options` is only allowed when `stream`",
@@ -214,7 +233,8 @@ def test_completion_prompt_forms(tok):
     assert "`prompt` cannot be empty" in openai_error(tok, CompletionRequest, {"prompt": []}).message
     assert "`logprobs` must be >= 0 and <= 5" in openai_error(
         tok, CompletionRequest, {"prompt": "x", "logprobs": 6}).message
-    assert "`best_of` must be 1" in openai_error(tok, CompletionRequest, {"prompt": "x", "best_of": 3}).message
+    assert "`best_of` must be >= `n` (1) and <= 1" in openai_error(
+        tok, CompletionRequest, {"prompt": "x", "best_of": 3}).message
     assert "`suffix` is not supported" in openai_error(
         tok, CompletionRequest, {"prompt": "x", "suffix": "y"}).message
     assert "`prompt`: " in openai_error(tok, CompletionRequest, {"prompt": {"a": 1}}).message

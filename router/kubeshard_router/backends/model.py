@@ -128,4 +128,5 @@ class ModelState:
                              max_total_tokens=info.max_total_tokens,
                              vocab_size=info.vocab_size or tokenizer.vocab_size,
                              max_top_n_tokens=self._config.max_top_n_tokens,
-                             max_stop_sequences=self._config.max_stop_sequences)
+                             max_stop_sequences=self._config.max_stop_sequences,
+                             max_sequences=info.max_sequences_per_request or 1)

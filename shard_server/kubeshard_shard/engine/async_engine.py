@@ -144,7 +144,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finish is not None:
+                if item.done:
                     stream.finished = True
                     return
         finally:
@@ -220,7 +220,7 @@ class AsyncEngine:
                     if stream is None:
                         continue
                     items.append((stream, out))
-                    if out.finish is not None:
+                    if out.done:
                         del self._streams[out.request_key]
                 self._post(items)
                 self._publish_stats()

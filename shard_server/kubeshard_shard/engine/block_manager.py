@@ -200,3 +200,19 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes[:full])
         child.num_computed_tokens = full * bs
         child.num_registered_blocks = full
+
+    def share_prompt(self, parent: Sequence, child: Sequence) -> None:
+        """Gives ``child`` (a new sequence with the same prompt) the full blocks of the
+        prompt ``parent`` has computed, by reference count (n > 1 sequences of one
+        request). The partial last block is not shared — the child recomputes those few
+        tokens itself — so no block is ever written by two sequences; at least one
+        prompt token is left for the child to compute, so its step yields logits."""
+        bs = self.block_size
+        full = min(parent.num_computed_tokens, parent.num_prompt_tokens - 1) // bs
+        full = min(full, len(parent.block_table))
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table[:full])
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_computed_tokens = full * bs
+        child.num_registered_blocks = full

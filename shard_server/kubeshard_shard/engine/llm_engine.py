@@ -20,6 +20,7 @@ import torch
 
 from kubeshard_shard.engine.block_manager import BlockManager
 from kubeshard_shard.engine.detokenizer import IncrementalDetokenizer
+from kubeshard_shard.engine.grammar import GrammarCache
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs, StepPlan
 from kubeshard_shard.engine.sampler import Sampler
 from kubeshard_shard.engine.scheduler import Scheduler
@@ -40,6 +41,7 @@ class PrefillToken:
     token_id: int
     text: str
     logprob: float | None
+    top: list[TopToken] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class FinishInfo:
     queue_time_ns: int
     inference_time_ns: int
     preemptions: int
+    cumulative_logprob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ class TokenOutput:
     index: int
     top: list[TopToken] = field(default_factory=list)
     prefill: list[PrefillToken] | None = None
-    finish: FinishInfo | None = None
+    finish: FinishInfo | None = None  # the end of this sequence
+    sequence: int = 0                 # which of the request's n sequences
+    done: bool = False                # the last output of the request (every sequence finished)
 
 
 @dataclass
@@ -133,15 +138,29 @@ class StepExecutor(Protocol):
         """Seconds spent in group communication so far (0 for a group of one)."""
 
 
-class _RequestState:
-    __slots__ = ("seq", "detok", "stop_sequences", "max_stop_len", "lane")
+class _SequenceState:
+    __slots__ = ("seq", "detok", "stop_sequences", "max_stop_len", "lane", "request")
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, lane: Lane) -> None:
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, lane: Lane, request: "_Request") -> None:
         self.lane = lane
         self.seq = seq
         self.detok = detok
+        self.request = request
         self.stop_sequences = seq.params.stop_sequences
         self.max_stop_len = max((len(s) for s in self.stop_sequences), default=0)
+
+
+class _Request:
+    """One request: its first sequence, and once that one has computed the prompt, the
+    other n - 1 (``forked``)."""
+
+    __slots__ = ("key", "states", "forked", "unfinished")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.states: list[_SequenceState] = []
+        self.forked = False
+        self.unfinished = 0
 
 
 class LLMEngine:
@@ -151,8 +170,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.lanes = lanes
         self.executor = executor
-        self.sampler = Sampler()
-        self.requests: dict[int, _RequestState] = {}
+        vocab_size = runner.model.config.vocab_size
+        self.sampler = Sampler(tokenizer.eos_ids, vocab_size)
+        self.grammars = GrammarCache(tokenizer.tokenizer_json, tokenizer.eos_ids, vocab_size)
+        self.requests: dict[int, _Request] = {}
         self._next_key = 0
         self.generated_tokens_total = 0
         self.steps_total = 0
@@ -178,27 +199,59 @@ class LLMEngine:
         candidates = [s for s in self.lanes if s.load <= least + 1]
         return max(candidates, key=lambda s: (s.block_manager.count_cached_prefix(prompt_ids), -s.load, -s.index))
 
+    def _new_sequence(self, request: _Request, lane: Lane, request_id: str, prompt_ids: list[int],
+                      params: SamplingParams, index: int) -> _SequenceState:
+        seq = Sequence(request_id, list(prompt_ids), params, index=index)
+        seq.key = request.key
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
+        detok = IncrementalDetokenizer(self.tokenizer.tokenizer, seq.prompt_ids, self.tokenizer.special_ids,
+                                       params.skip_special_tokens, params.spaces_between_special_tokens)
+        state = _SequenceState(seq, detok, lane, request)
+        request.states.append(state)
+        request.unfinished += 1
+        return state
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Queues a validated request; returns its key for ``abort`` and outputs."""
+        """Queues a validated request; returns its key for ``abort`` and outputs. A request
+        of n sequences starts with one; the others follow once it has computed the prompt."""
         key = self._next_key
         self._next_key += 1
-        seq = Sequence(request_id, list(prompt_ids), params)
-        seq.key = key
+        request = _Request(key)
+        lane = self._pick_lane(list(prompt_ids))
+        state = self._new_sequence(request, lane, request_id, prompt_ids, params, 0)
         if params.prefill_details:
-            seq.prefill_logprobs = [None] * len(prompt_ids)
-        detok = IncrementalDetokenizer(self.tokenizer.tokenizer, seq.prompt_ids, self.tokenizer.special_ids)
-        lane = self._pick_lane(seq.prompt_ids)
-        self.requests[key] = _RequestState(seq, detok, lane)
-        lane.scheduler.add(seq)
+            state.seq.prefill_logprobs = [None] * len(prompt_ids)
+            if params.prefill_top_n_tokens:
+                state.seq.prefill_top = [[] for _ in prompt_ids]
+        request.forked = params.n == 1
+        self.requests[key] = request
+        lane.scheduler.add(state.seq)
         return key
 
+    def _fork(self, request: _Request) -> None:
+        """Starts the other n - 1 sequences of a request whose first sequence has just
+        computed its prompt: they hold its full prompt blocks by reference and go to
+        the front of its lane's queue."""
+        first = request.states[0]
+        request.forked = True
+        p = first.seq.params
+        children = [self._new_sequence(request, first.lane, first.seq.request_id, first.seq.prompt_ids, p, i)
+                    for i in range(1, p.n)]
+        for child in reversed(children):
+            first.lane.block_manager.share_prompt(first.seq, child.seq)
+            first.lane.scheduler.add(child.seq, front=True)
+
     def abort(self, key: int) -> bool:
-        state = self.requests.pop(key, None)
-        if state is None:
+        request = self.requests.pop(key, None)
+        if request is None:
             return False
-        state.seq.aborted = True
-        state.seq.status = SequenceStatus.FINISHED
-        state.lane.scheduler.remove(state.seq)
+        for state in request.states:
+            if state.seq.status is SequenceStatus.FINISHED:
+                continue
+            state.seq.aborted = True
+            state.seq.status = SequenceStatus.FINISHED
+            state.lane.scheduler.remove(state.seq)
         return True
 
     def has_work(self) -> bool:
@@ -248,10 +301,12 @@ class LLMEngine:
         sampled = self.sampler(logits[:n_sample], plan.sample_seqs) if n_sample else []
         outputs = []
         for seq, tok in zip(plan.sample_seqs, sampled):
-            state = self.requests.get(seq.key)
-            if state is None:  # aborted during the step
+            request = self.requests.get(seq.key)
+            if request is None or seq.aborted:  # aborted during the step
                 continue
-            outputs.append(self._append_token(state, tok))
+            if not request.forked:
+                self._fork(request)
+            outputs.append(self._append_token(request.states[seq.index], tok))
         return outputs
 
     def _record_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
@@ -261,48 +316,78 @@ class LLMEngine:
                                    device=rows.device)
             values = rows.gather(1, targets[:, None])[:, 0].tolist()
             seq.prefill_logprobs[first_token:first_token + count] = values
+            k = seq.params.prefill_top_n_tokens
+            if k:
+                top = torch.topk(rows, min(k, rows.shape[-1]), dim=-1)
+                seq.prefill_top[first_token:first_token + count] = [
+                    list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(), top.values.tolist())]
 
-    def _append_token(self, state: _RequestState, tok) -> TokenOutput:
+    def _top_tokens(self, pairs: list[tuple[int, float]]) -> list[TopToken]:
+        special = self.tokenizer.special_ids
+        return [TopToken(t, self.tokenizer.token_text(t), lp, t in special) for t, lp in pairs]
+
+    def _stop_reason(self, state: _SequenceState, token_id: int, text: str) -> FinishReason | None:
+        seq, params = state.seq, state.seq.params
+        if seq.matcher is not None:
+            # a grammar that accepted end-of-sequence (or cannot go on) ends the sequence
+            if not seq.matcher.accept_token(token_id) or seq.matcher.is_terminated():
+                return FinishReason.EOS_TOKEN
+        # before min_new_tokens nothing but the length ends a sequence (a grammar decides its own end)
+        early = seq.matcher is None and seq.num_output_tokens < params.min_new_tokens
+        if not early:
+            if token_id in self.tokenizer.eos_ids and not params.ignore_eos:
+                return FinishReason.EOS_TOKEN
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP_TOKEN
+            if state.stop_sequences and text:
+                tail = state.detok.text[-(state.max_stop_len + len(text)):]
+                if any(s in tail for s in state.stop_sequences):
+                    return FinishReason.STOP_SEQUENCE
+        if seq.num_output_tokens >= params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _append_token(self, state: _SequenceState, tok) -> TokenOutput:
         seq = state.seq
         seq.token_ids.append(tok.token_id)
+        seq.cumulative_logprob += tok.logprob
         self.generated_tokens_total += 1
         special = tok.token_id in self.tokenizer.special_ids
         text = state.detok.add(tok.token_id)
         params = seq.params
-        reason = None
-        if tok.token_id in self.tokenizer.eos_ids and not params.ignore_eos:
-            reason = FinishReason.EOS_TOKEN
-        elif state.stop_sequences and text:
-            tail = state.detok.text[-(state.max_stop_len + len(text)):]
-            if any(s in tail for s in state.stop_sequences):
-                reason = FinishReason.STOP_SEQUENCE
-        if reason is None and seq.num_output_tokens >= params.max_new_tokens:
-            reason = FinishReason.LENGTH
+        reason = self._stop_reason(state, tok.token_id, text)
         if reason is not None:
             text += state.detok.flush()
-        top = [TopToken(t, self.tokenizer.token_text(t), lp, t in self.tokenizer.special_ids) for t, lp in tok.top]
+        top = self._top_tokens(tok.top)
         prefill = None
         if not seq.seen_first_output:
             seq.seen_first_output = True
-            if params.prefill_details:
-                prefill = [PrefillToken(t, self.tokenizer.token_text(t), lp)
-                           for t, lp in zip(seq.prompt_ids, seq.prefill_logprobs)]
+            if params.prefill_details and seq.index == 0:
+                tops = seq.prefill_top or [[] for _ in seq.prompt_ids]
+                prefill = [PrefillToken(t, self.tokenizer.token_text(t), lp, self._top_tokens(alts) if lp is not None
+                                        else [])
+                           for t, lp, alts in zip(seq.prompt_ids, seq.prefill_logprobs, tops)]
         finish = self._finish(state, reason) if reason is not None else None
+        done = finish is not None and state.request.unfinished == 0 and state.request.forked
         return TokenOutput(seq.key, tok.token_id, text, tok.logprob, special, seq.num_output_tokens - 1,
-                           top, prefill, finish)
+                           top, prefill, finish, seq.index, done)
 
-    def _finish(self, state: _RequestState, reason: FinishReason) -> FinishInfo:
+    def _finish(self, state: _SequenceState, reason: FinishReason) -> FinishInfo:
         seq = state.seq
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         state.lane.scheduler.remove(seq)
-        del self.requests[seq.key]
+        request = state.request
+        request.unfinished -= 1
+        if request.unfinished == 0 and request.forked:
+            del self.requests[seq.key]
         now = time.monotonic()
         first = seq.first_scheduled_time or now
         return FinishInfo(
             reason=reason, generated_tokens=seq.num_output_tokens, prompt_tokens=seq.num_prompt_tokens,
-            cached_prompt_tokens=seq.num_cached_tokens, seed=seq.params.seed if seq.params.do_sample else None,
+            cached_prompt_tokens=seq.num_cached_tokens,
+            seed=seq.params.seed_of(seq.index) if seq.params.do_sample else None,
             queue_time_ns=int((first - seq.arrival_time) * 1e9), inference_time_ns=int((now - first) * 1e9),
-            preemptions=seq.preemptions,
+            preemptions=seq.preemptions, cumulative_logprob=seq.cumulative_logprob,
         )
 

@@ -10,10 +10,14 @@ import math
 import random
 from dataclasses import dataclass
 
-from kubeshard_shard.engine.sequence import SamplingParams
+from kubeshard_shard.engine.sequence import GrammarSpec, SamplingParams
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_N_TOKENS = 20
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+MAX_SEQUENCES = 16
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choice", "structural_tag")
 
 
 class RequestError(ValueError):
@@ -47,6 +51,16 @@ def make_sampling_params(
     ignore_eos: bool = False,
     top_n_tokens: int = 0,
     prefill_details: bool = False,
+    prefill_top_n_tokens: int = 0,
+    min_p: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    stop_token_ids: tuple[int, ...] | list[int] = (),
+    min_new_tokens: int = 0,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    n: int = 1,
+    grammar: GrammarSpec | None = None,
+    adapter: str | None = None,
 ) -> SamplingParams:
     for name, value in (("temperature", temperature), ("top_p", top_p), ("typical_p", typical_p),
                         ("repetition_penalty", repetition_penalty), ("frequency_penalty", frequency_penalty),
@@ -78,6 +92,25 @@ def make_sampling_params(
         raise RequestError(f"top_n_tokens must be in [0, {MAX_TOP_N_TOKENS}], got {top_n_tokens}")
     if seed is not None and not 0 <= seed < 2**63:
         raise RequestError(f"seed must be in [0, 2^63), got {seed}")
+    _finite("min_p", min_p)
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1], got {min_p}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise RequestError(f"min_new_tokens must be in [0, max_new_tokens ({max_new_tokens})], got {min_new_tokens}")
+    if not 0 <= prefill_top_n_tokens <= MAX_TOP_N_TOKENS:
+        raise RequestError(f"prefill_top_n_tokens must be in [0, {MAX_TOP_N_TOKENS}], got {prefill_top_n_tokens}")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids holds {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    bias = dict(logit_bias or {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    for token, value in bias.items():
+        if not math.isfinite(value) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+    if not 1 <= n <= MAX_SEQUENCES:
+        raise RequestError(f"n must be in [1, {MAX_SEQUENCES}], got {n}")
+    if grammar is not None and grammar.kind not in GRAMMAR_KINDS:
+        raise RequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {grammar.kind!r}")
     if do_sample and seed is None:
         seed = random.getrandbits(63)
     return SamplingParams(
@@ -95,6 +128,16 @@ def make_sampling_params(
         ignore_eos=ignore_eos,
         top_n_tokens=top_n_tokens,
         prefill_details=prefill_details,
+        prefill_top_n_tokens=prefill_top_n_tokens if prefill_details else 0,
+        min_p=min_p if min_p else None,
+        logit_bias=tuple(sorted(bias.items())),
+        stop_token_ids=frozenset(stop_token_ids),
+        min_new_tokens=min_new_tokens,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+        n=n,
+        grammar=grammar,
+        adapter=adapter or None,
     )
 
 
@@ -111,3 +154,7 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, limits: Limits, 
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"input_ids contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        bad = sorted(t for t in ids if not 0 <= t < vocab_size)
+        if bad:
+            raise RequestError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

@@ -1,4 +1,9 @@
-"""Batched token selection: penalties, temperature, top-k/top-p/typical-p, seeded draws.
+"""Batched token selection: logit bias, grammar masks, minimum length, penalties,
+temperature, top-k/top-p/typical-p/min-p, seeded draws.
+
+Rows with a grammar (structured output) get their masks in one bitmask per step,
+applied to all of them in one call; rows without one are untouched, so constrained and
+free requests share a batch.
 
 Greedy rows take the argmax. Sampled rows draw with the exponential-race trick
 (argmax of p / q with q ~ Exp(1)), where q comes from the request's own generator:
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kubeshard_shard.engine.grammar import StepMasks, apply_masks
 from kubeshard_shard.engine.sequence import SamplingParams, Sequence
 
 
@@ -37,9 +43,17 @@ def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
             row -= counts * (p.frequency_penalty or 0.0) + (counts > 0).to(row.dtype) * (p.presence_penalty or 0.0)
 
 
+def apply_logit_bias(row: torch.Tensor, seq: Sequence) -> None:
+    if seq.bias_tensors is None:
+        ids, values = zip(*seq.params.logit_bias)
+        seq.bias_tensors = (torch.tensor(ids, dtype=torch.long, device=row.device),
+                            torch.tensor(values, dtype=row.dtype, device=row.device))
+    row.index_add_(0, *seq.bias_tensors)
+
+
 def filter_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """top-k, top-p and typical-p filters (the Hugging Face warpers' semantics) on one
-    row of temperature-scaled logits; removed entries become -inf."""
+    """top-k, top-p, typical-p (the Hugging Face warpers' semantics) and min-p filters on
+    one row of temperature-scaled logits; removed entries become -inf."""
     neg_inf = float("-inf")
     if p.top_k is not None and 0 < p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
@@ -62,17 +76,43 @@ def filter_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         remove_sorted[-1] = False  # keep at least the most likely token
         remove = torch.zeros_like(remove_sorted).scatter(0, order, remove_sorted)
         row = row.masked_fill(remove, neg_inf)
+    if p.min_p:
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), neg_inf)
     return row
 
 
 class Sampler:
+    def __init__(self, eos_ids: frozenset[int] = frozenset(), vocab_size: int = 0) -> None:
+        self.eos_ids = tuple(sorted(eos_ids))
+        self.masks = StepMasks(vocab_size) if vocab_size else None
+
+    def _too_early(self, seq: Sequence) -> list[int]:
+        """Token ids a sequence may not sample yet (before min_new_tokens). A grammar
+        decides its own end, so a constrained row is left alone."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_new_tokens or seq.matcher is not None:
+            return []
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logits = logits.float()
         params = [s.params for s in seqs]
         for i, seq in enumerate(seqs):
-            if seq.params.has_penalties:
+            p = seq.params
+            if p.logit_bias:
+                apply_logit_bias(logits[i], seq)
+            if p.min_new_tokens:
+                banned = self._too_early(seq)
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if p.has_penalties:
                 apply_penalties(logits[i], seq)
+        if self.masks is not None:
+            filled = self.masks.fill(seqs)
+            if filled is not None:
+                apply_masks(logits, *filled)
         temps = [p.temperature if p.do_sample else 1.0 for p in params]
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, device=logits.device)[:, None]
@@ -85,7 +125,7 @@ class Sampler:
             row = filter_logits(logits[i], p)
             probs = torch.softmax(row, dim=-1)
             if seq.generator is None:
-                seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
+                seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed_of(seq.index))
             race = torch.empty_like(probs).exponential_(generator=seq.generator)
             chosen[i] = (probs / race).argmax()
 

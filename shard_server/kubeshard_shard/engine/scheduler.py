@@ -50,9 +50,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queues a sequence: at the back, or at the front (``front``: the other
+        sequences of a request whose first one has just computed the prompt)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Takes a finished or aborted sequence out and frees its blocks."""

@@ -13,12 +13,22 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
+    STOP_TOKEN = "stop_token"
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint: ``kind`` is json_schema, regex, ebnf, choice or
+    structural_tag; ``source`` its text (choices: a JSON list of strings)."""
+
+    kind: str
+    source: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,22 @@ class SamplingParams:
     ignore_eos: bool = False
     top_n_tokens: int = 0
     prefill_details: bool = False
+    prefill_top_n_tokens: int = 0
+    min_p: float | None = None
+    # (token id, bias) pairs added to the logits first
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # sequences generated from the prompt (OpenAI n / best_of)
+    n: int = 1
+    grammar: GrammarSpec | None = None
+    adapter: str | None = None
+
+    def seed_of(self, index: int) -> int | None:
+        """The seed of sequence ``index`` of an n-sequence request."""
+        return None if self.seed is None else (self.seed + index) % 2**63
 
     @property
     def has_penalties(self) -> bool:
@@ -53,8 +79,11 @@ class Sequence:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
 
+    # which of the request's n sequences this is
+    index: int = 0
+
     def __post_init__(self) -> None:
-        self.key = 0  # the engine's unique id for this request
+        self.key = 0  # the engine's unique id for this request (shared by its n sequences)
         self.token_ids: list[int] = list(self.prompt_ids)
         self.num_prompt_tokens = len(self.prompt_ids)
         self.status = SequenceStatus.WAITING
@@ -72,8 +101,16 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.generator: torch.Generator | None = None
         self.prefill_logprobs: list[float] | None = None
+        self.prefill_top: list[list[tuple[int, float]]] | None = None
         self.seen_first_output = False
         self.aborted = False
+        self.cumulative_logprob = 0.0
+        # structured output: the grammar matcher of this sequence (engine.grammar)
+        self.matcher = None
+        # LoRA: the adapter's slot in the runner's adapter table (0: the base model)
+        self.adapter_slot = 0
+        # logit_bias as (ids, values) tensors, built on first use by the sampler
+        self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

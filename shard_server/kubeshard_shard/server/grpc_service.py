@@ -8,6 +8,8 @@ INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (too many in flight), UNAVAIL
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -19,8 +21,8 @@ from kubeshard_shard import __version__
 from kubeshard_shard.engine.async_engine import AsyncEngine, EngineFailed, EngineOverloaded, EngineUnavailable
 from kubeshard_shard.server.factory import ServedModel
 from kubeshard_shard.engine.llm_engine import EngineStats, TokenOutput
-from kubeshard_shard.engine.request import RequestError, check_prompt, make_sampling_params
-from kubeshard_shard.engine.sequence import FinishReason, SamplingParams
+from kubeshard_shard.engine.request import MAX_SEQUENCES, RequestError, check_prompt, make_sampling_params
+from kubeshard_shard.engine.sequence import FinishReason, GrammarSpec, SamplingParams
 from kubeshard_shard.server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
 }
 
 
@@ -38,11 +41,25 @@ class GroupInfo:
     shards: int = 1
 
 
+def grammar_spec(request: pb.GenerateRequest) -> GrammarSpec | None:
+    if not request.HasField("grammar"):
+        return None
+    kind = request.grammar.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return GrammarSpec("choice", json.dumps(list(request.grammar.choice.choices)))
+    return GrammarSpec(kind, getattr(request.grammar, kind))
+
+
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     s, st = request.sampling, request.stopping
 
     def opt(msg, name):
         return getattr(msg, name) if msg.HasField(name) else None
+
+    def flag(name: str) -> bool:
+        return getattr(request, name) if request.HasField(name) else True
 
     return make_sampling_params(
         max_new_tokens=st.max_new_tokens,
@@ -59,17 +76,31 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         ignore_eos=st.ignore_eos,
         top_n_tokens=request.top_n_tokens,
         prefill_details=request.prefill_details,
+        prefill_top_n_tokens=request.prefill_top_n_tokens,
+        min_p=opt(s, "min_p"),
+        logit_bias=dict(s.logit_bias),
+        stop_token_ids=list(st.stop_token_ids),
+        min_new_tokens=st.min_new_tokens,
+        skip_special_tokens=flag("skip_special_tokens"),
+        spaces_between_special_tokens=flag("spaces_between_special_tokens"),
+        n=request.n or 1,
+        grammar=grammar_spec(request),
+        adapter=request.adapter or None,
     )
 
 
+def _top(t) -> pb.TopToken:
+    return pb.TopToken(id=t.token_id, text=t.text, logprob=t.logprob, special=t.special)
+
+
 def token_message(out: TokenOutput) -> pb.Token:
-    msg = pb.Token(id=out.token_id, text=out.text, logprob=out.logprob, special=out.special, index=out.index)
+    msg = pb.Token(id=out.token_id, text=out.text, logprob=out.logprob, special=out.special, index=out.index,
+                   sequence=out.sequence)
     if out.top:
-        msg.top_tokens.extend(pb.TopToken(id=t.token_id, text=t.text, logprob=t.logprob, special=t.special)
-                              for t in out.top)
+        msg.top_tokens.extend(_top(t) for t in out.top)
     if out.prefill is not None:
         for p in out.prefill:
-            item = pb.PrefillToken(id=p.token_id, text=p.text)
+            item = pb.PrefillToken(id=p.token_id, text=p.text, top_tokens=[_top(t) for t in p.top])
             if p.logprob is not None:
                 item.logprob = p.logprob
             msg.prefill.append(item)
@@ -78,7 +109,8 @@ def token_message(out: TokenOutput) -> pb.Token:
         msg.finish.CopyFrom(pb.FinishDetails(
             reason=FINISH_REASONS[f.reason], generated_tokens=f.generated_tokens, prompt_tokens=f.prompt_tokens,
             cached_prompt_tokens=f.cached_prompt_tokens, queue_time_ns=f.queue_time_ns,
-            inference_time_ns=f.inference_time_ns, preemptions=f.preemptions))
+            inference_time_ns=f.inference_time_ns, preemptions=f.preemptions,
+            cumulative_logprob=f.cumulative_logprob))
         if f.seed is not None:
             msg.finish.seed = f.seed
     return msg
@@ -151,24 +183,29 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             async for out in self.engine.generate(request.request_id, prompt, params):
                 if first is None:
+            if params.grammar is not None:  # compiled (and cached) off the event loop; errors name the grammar
+                await asyncio.to_thread(self.served.engine.grammars.compile, params.grammar)
                     first = time.monotonic()
                 last = out
                 yield token_message(out)
         except EngineOverloaded as exc:
             self._count("overloaded")
+        generated = 0
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineUnavailable as exc:
             self._count("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except EngineFailed as exc:
+                generated += 1
             self._count("failed")
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        if self.metrics is not None and last is not None and last.finish is not None:
+        if self.metrics is not None and last is not None and last.done:
             done = time.monotonic()
             self.metrics.ttft.observe(first - started)
             self.metrics.e2e.observe(done - started)
-            if last.finish.generated_tokens > 1:
-                self.metrics.tpot.observe((done - first) / (last.finish.generated_tokens - 1))
+            per_sequence = generated / params.n
+            if per_sequence > 1:
+                self.metrics.tpot.observe((done - first) / (per_sequence - 1))
             self.metrics.prompt_tokens.inc(last.finish.prompt_tokens)
             self._count("finished")
 
@@ -190,7 +227,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             shards=self.group.shards, vocab_size=mc.vocab_size, eos_token_ids=sorted(served.tokenizer.eos_ids),
             tokenizer_json=served.tokenizer.tokenizer_json,
             tokenizer_config_json=served.tokenizer.tokenizer_config_json, version=__version__,
-            rank_parameter_bytes=served.rank_parameter_bytes)
+            rank_parameter_bytes=served.rank_parameter_bytes, max_sequences_per_request=MAX_SEQUENCES)
 
     async def Health(self, request, context):
         ok, reason = self.serving()
