@@ -2,11 +2,23 @@
 # Installs the system packages kubeshard's tests and local cluster need, when missing:
 # a real Redis server, iproute2 (network namespaces for pods), nftables/iptables and
 # conntrack (kube-proxy), util-linux (unshare/nsenter) and busybox (the local cluster's
-# busybox image). Debian/Ubuntu only; on other
+# busybox image). With --containers, also what real containers need: Debian's Docker
+# engine (image builds, kind), containerd and runc (the local cluster's node), the CNI
+# plugins, debootstrap (the registry-free base image), ipset (the NetworkPolicy engine)
+# and a static busybox (the busybox stand-in image). Debian/Ubuntu only; on other
 # systems, install the same tools yourself.
 set -euo pipefail
 
 need=()
+if [ "${1:-}" = "--containers" ]; then
+  command -v dockerd >/dev/null || need+=(docker.io)
+  command -v containerd >/dev/null || need+=(containerd)
+  command -v runc >/dev/null || need+=(runc)
+  [ -x /usr/lib/cni/ptp ] || need+=(containernetworking-plugins)
+  command -v debootstrap >/dev/null || need+=(debootstrap)
+  command -v ipset >/dev/null || need+=(ipset)
+  dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
+fi
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v nft >/dev/null || need+=(nftables)
@@ -40,6 +52,16 @@ fi
 echo "kubeshard: installing system packages: ${need[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
+# Packages must not start their services (docker.io would start a dockerd that rewrites
+# the host's firewall): hack/docker.sh starts dockerd with this machine's settings.
+policy=/usr/sbin/policy-rc.d
+added_policy=""
+if [ ! -e "$policy" ]; then
+  printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+  $sudo chmod +x "$policy"
+  added_policy=1
+fi
 $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+if [ -n "$added_policy" ]; then $sudo rm -f "$policy"; fi
 # The Debian package starts a redis-server on 6379; tests start their own.
 if [ -x /etc/init.d/redis-server ]; then $sudo /etc/init.d/redis-server stop >/dev/null 2>&1 || true; fi

@@ -2,7 +2,8 @@
 # Builds (or reuses) the pinned Kubernetes control-plane binaries, etcd and helm from the
 # Go module proxy, as pinned by hack/k8s-tools/go.mod:
 #
-#   kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl  (k8s.io/kubernetes)
+#   kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubectl
+#                                                                              (k8s.io/kubernetes)
 #   etcd                                                                       (go.etcd.io/etcd/server/v3)
 #   helm                                                                       (helm.sh/helm/v3)
 #
@@ -34,7 +35,7 @@ fi
 
 dest="$cache/k8s/$k8s_version"
 bin="$dest/bin"
-tools=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl etcd helm)
+tools=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubectl etcd helm)
 stamp_value="$(cat "$mod_dir/go.mod" "$mod_dir/go.sum" "$0" | sha256sum | cut -c1-16)"
 
 is_current() {
@@ -98,7 +99,7 @@ start=$SECONDS
 echo "k8s-tools: building kubernetes $k8s_version, etcd $etcd_version, helm $helm_version" \
      "into $bin (cold: ~7 min on 2 cores)" >&2
 cd "$mod_dir"
-# One `go build` for all seven programs, so the packages they share (client-go, grpc,
+# One `go build` for all eight programs, so the packages they share (client-go, grpc,
 # protobuf, ...) compile once. -s -w and -trimpath cut link time and size.
 "$go_bin" build -trimpath -o "$tmp/" \
   -ldflags "-s -w $k8s_ldflags $helm_ldflags $etcd_ldflags" \
@@ -106,6 +107,7 @@ cd "$mod_dir"
   k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler \
   k8s.io/kubernetes/cmd/kube-proxy \
+  k8s.io/kubernetes/cmd/kubelet \
   k8s.io/kubernetes/cmd/kubectl \
   go.etcd.io/etcd/server/v3 \
   helm.sh/helm/v3/cmd/helm >&2
