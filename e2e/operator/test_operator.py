@@ -66,13 +66,20 @@ def test_only_one_operator_replica_acts(cluster, kubeshard):
     peers = wait_for(both_peers, 60, what="both operator replicas in the peering object")
     assert len({p["priority"] for p in peers.values()}) == 2  # no tie: one wins
 
-    def paused_replicas():
-        logs = [cluster.pod_logs(kubeshard.namespace, p["metadata"]["name"])
-                for p in kubeshard.pods("operator")]
-        paused = sum("Pausing operations in favour of" in log for log in logs)
-        return paused if paused else None
+    def acting():
+        """Which operator pods act now. With mandatory peering kopf starts paused and
+        logs "Resuming operations" once it is the highest-priority peer; a pod that was
+        acting and then sees a higher peer logs "Pausing operations in favour of". A
+        standby that starts second stays paused without a word, so count the resumes."""
+        states = []
+        for pod in kubeshard.pods("operator"):
+            log = cluster.pod_logs(kubeshard.namespace, pod["metadata"]["name"])
+            states.append(log.rfind("Resuming operations") > log.rfind("Pausing operations in favour of"))
+        return states if len(states) == 2 and sum(states) == 1 else None
 
-    assert wait_for(paused_replicas, 60, what="the standby operator to pause") == 1
+    assert wait_for(acting, 60, what="exactly one operator pod acting")
+    time.sleep(5)
+    assert acting(), "the acting operator pod changed or a second one started acting"
 
 
 # -- admission ------------------------------------------------------------------------------
