@@ -41,6 +41,8 @@ def model_dir(spec: InferenceServiceSpec) -> str:
     source = spec.model.source
     if source.kind == "pvc":
         return f"{MODEL_ROOT}/pvc/{source.path}".rstrip("/")
+    if source.kind == "host" and source.is_gguf:
+        return f"{MODEL_ROOT}/{source.location.rsplit('/', 1)[-1]}"
     return f"{MODEL_ROOT}/model"
 
 
@@ -145,8 +147,8 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
         {"name": "tmp", "mountPath": "/tmp"},
     ]
     if source.kind == "host":
-        volumes.append({"name": "model",
-                        "hostPath": {"path": source.location, "type": "Directory"}})
+        volumes.append({"name": "model", "hostPath": {
+            "path": source.location, "type": "File" if source.is_gguf else "Directory"}})
         mounts.append({"name": "model", "mountPath": model_dir(spec), "readOnly": True})
     elif source.kind == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {

@@ -16,10 +16,11 @@ from kubernetes.utils import parse_quantity
 
 STRATEGIES = ("tensor", "zero3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-METRICS = ("concurrency", "queueDepth", "cpu")
-# Default HPA target per metric: in-flight requests per replica, queued requests per
-# replica, CPU utilization percent of the shard pods' requests.
-DEFAULT_TARGETS = {"concurrency": 8, "queueDepth": 4, "cpu": 80}
+METRICS = ("concurrency", "queueDepth", "tokensInFlight", "cpu")
+# Default HPA target per metric: requests in flight or queued per replica, queued requests
+# per replica, tokens in flight (prompt + new tokens still reserved) per replica, CPU
+# utilization percent of the shard pods' requests.
+DEFAULT_TARGETS = {"concurrency": 8, "queueDepth": 4, "tokensInFlight": 2048, "cpu": 80}
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # StatefulSet pods carry a controller-revision-hash label "<sts>-<10 chars>" that must
 # fit in 63 characters, and the StatefulSet is "<name>-g<index>": 47 leaves room for
@@ -69,6 +70,11 @@ class ModelSource:
                 "file:///ABS/PATH or an absolute host path"
             )
         return cls(kind="host", location=path.rstrip("/") or "/")
+
+    @property
+    def is_gguf(self) -> bool:
+        """A single GGUF file (the shard server converts it once at start), not a folder."""
+        return (self.path if self.kind == "pvc" else self.location).lower().endswith(".gguf")
 
 
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")

@@ -61,6 +61,20 @@ def test_host_path_model_is_mounted_read_only():
     assert mount == {"name": "model", "mountPath": "/models/model", "readOnly": True}
 
 
+def test_a_gguf_file_on_the_host_is_mounted_as_a_file_and_served_from_it():
+    spec = make_spec(model={"source": "/data/SmolLM2-135M-Instruct.Q4_1.gguf"})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"]["hostPath"] == {"path": "/data/SmolLM2-135M-Instruct.Q4_1.gguf", "type": "File"}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "readOnly": True}
+    assert flag(pod["containers"][0]["args"], "--model") == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    # a GGUF file inside a claim is served from its path in the claim
+    spec = make_spec(model={"source": "pvc://weights/gguf/model.Q8_0.gguf"})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    assert flag(pod["containers"][0]["args"], "--model") == "/models/pvc/gguf/model.Q8_0.gguf"
+
+
 def test_pvc_model_points_inside_the_claim():
     spec = make_spec(model={"source": "pvc://weights/llama/7b"})
     pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
@@ -167,7 +181,7 @@ def test_hpa_targets_the_scale_subresource_and_never_goes_below_one():
                                              "kind": "InferenceService", "name": "tiny"}
     assert hpa["spec"]["minReplicas"] == 1 and hpa["spec"]["maxReplicas"] == 4
     metric = hpa["spec"]["metrics"][0]
-    assert metric["object"]["metric"]["name"] == "kubeshard_requests_in_flight"
+    assert metric["object"]["metric"]["name"] == "concurrency"
     assert metric["object"]["target"] == {"type": "AverageValue", "averageValue": "8"}
     cpu = b.build_hpa(make_spec(autoscaling={"maxReplicas": 2, "metric": "cpu", "target": 70}))
     assert cpu["spec"]["metrics"][0]["resource"]["target"] == {
