@@ -150,7 +150,12 @@ def build_hpa(spec: InferenceServiceSpec,
     operator turns spec.replicas into groups). None without spec.autoscaling.
 
     The HPA cannot scale to zero; minReplicas 0 means the operator scales to zero when
-    idle and the router's activator scales back to one."""
+    idle and the router's activator scales back to one. At zero the HPA is inert (the
+    HPA controller leaves a target at zero replicas alone) until the router scales it up.
+
+    The metric is an Object metric of the InferenceService from the operator's custom
+    metrics API (metrics_api.py): the InferenceService's total, which the AverageValue
+    target divides by the replicas, so `target` is per replica group."""
     a = spec.autoscaling
     if a is None:
         return None
@@ -158,10 +163,9 @@ def build_hpa(spec: InferenceServiceSpec,
         metric: dict[str, Any] = {"type": "Resource", "resource": {
             "name": "cpu", "target": {"type": "Utilization", "averageUtilization": a.target}}}
     else:
-        # Served by the operator's custom metrics API from the routers' in-flight and
-        # queue counts: the freshest load signal there is (scraped gauges lag).
-        name = {"concurrency": "kubeshard_requests_in_flight",
-                "queueDepth": "kubeshard_requests_queued"}[a.metric]
+        # Served by the operator's custom metrics API from the routers' own live counts:
+        # the freshest load signal there is (scraped gauges lag).
+        name = n.HPA_METRIC[a.metric]
         metric = {"type": "Object", "object": {
             "describedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name},
             "metric": {"name": name},

@@ -42,6 +42,7 @@ KINDS: dict[str, Kind] = {
     "PodDisruptionBudget": Kind("policy", "v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": Kind("autoscaling", "v2", "horizontalpodautoscalers"),
     "InferenceService": Kind(API_GROUP, VERSION, PLURAL),
+    "EndpointSlice": Kind("discovery.k8s.io", "v1", "endpointslices"),
 }
 
 

@@ -22,6 +22,12 @@ MANAGED_BY = "kubeshard-operator"
 COMPONENT_SHARD = "shard"
 FIELD_MANAGER = "kubeshard-operator"
 
+# The custom metrics API's metrics of an InferenceService (metrics_api.py serves them),
+# and which one the HPA reads for each spec.autoscaling.metric.
+CUSTOM_METRICS = ("concurrency", "queue_depth", "tokens_in_flight", "tokens_per_second")
+HPA_METRIC = {"concurrency": "concurrency", "queueDepth": "queue_depth",
+              "tokensInFlight": "tokens_in_flight"}
+
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 RENDEZVOUS_PORT = 29500

@@ -3,6 +3,7 @@ report.
 
 - observe (observe.py): list the children once into a `Snapshot`;
 - restart the multi-shard groups whose shard restarted (a group lives and dies whole);
+- scale to zero (idle.py): with minReplicas 0, an idle model goes to 0 through /scale;
 - plan (rollout.py): which groups to create and delete for spec.replicas;
 - desired children (children.py): the steps to apply and delete, pure;
 - apply: make those steps, in order;
@@ -26,7 +27,9 @@ from kubeshard_operator import naming as n
 from kubeshard_operator.builders import owner_reference, service_url, template_hash
 from kubeshard_operator.children import Apply, GroupChange, Step, desired_children
 from kubeshard_operator.config import OperatorConfig
+from kubeshard_operator.idle import idle_verdict, may_scale_to_zero, parse_iso
 from kubeshard_operator.kube import Kube, KubeError
+from kubeshard_operator.load import LoadReader
 from kubeshard_operator.observe import Snapshot, members, observe
 from kubeshard_operator.rollout import GroupView, Plan, needs_group_restart, plan_groups
 from kubeshard_operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -43,11 +46,13 @@ def _now_iso(clock: Callable[[], float]) -> str:
 
 class Reconciler:
     def __init__(self, kube: Kube, cfg: OperatorConfig, events: EventSink,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, load: Optional[LoadReader] = None):
         self.kube = kube
         self.cfg = cfg
         self.events = events
         self.clock = clock
+        # The routers' live load (None: nothing to read it from, so never idle).
+        self.load = load
 
     def reconcile(self, namespace: str, name: str, logger: Logger) -> Optional[str]:
         """Returns the phase written to status, or None if the object is gone/deleting."""
@@ -68,8 +73,11 @@ class Reconciler:
         current_hash = template_hash(spec, self.cfg)
         seen = observe(self.kube, namespace, name, body["metadata"]["uid"])
         seen = self._restart_broken_groups(body, seen, logger)
-        # The groups wanted are spec.replicas, which a person or the HPA sets through the
-        # /scale subresource; inputs of the snapshot beyond the children would enter here.
+        zero = self._scale_to_zero_if_idle(body, spec, logger)
+        if zero is not None:
+            spec = dataclasses.replace(spec, replicas=0)
+        # The groups wanted are spec.replicas, which a person, the HPA, the router's
+        # activator (from zero) or the idle check above (to zero) set through /scale.
         plan = plan_groups(spec.replicas, current_hash, seen.groups)
         steps = desired_children(spec, self.cfg, owner_reference(body), seen, plan,
                                  current_hash)
@@ -79,10 +87,48 @@ class Reconciler:
         except KubeError as e:
             logger.error("applying the children of %s/%s failed: %s", namespace, name, e)
             error = ("ApplyFailed", e.message or str(e))
+        a = spec.autoscaling
         obs = Observed(generation=generation, replicas=spec.replicas,
                        current_hash=current_hash, groups=seen.groups, plan=plan,
-                       url=service_url(spec, self.cfg), error=error)
+                       url=service_url(spec, self.cfg), error=error, scaled_to_zero=zero,
+                       idle_seconds=a.idle_seconds if a is not None and a.min_replicas == 0
+                       else None)
         return self._write_status(body, obs)
+
+    def _scale_to_zero_if_idle(self, body: Mapping[str, Any], spec: InferenceServiceSpec,
+                               logger: Logger) -> Optional[tuple[str, str]]:
+        """Sets the InferenceService to 0 through /scale when it has been idle for
+        idleSeconds; returns the ScaledToZero condition's (reason, message) if it did.
+
+        The patch carries the resourceVersion this pass read: if the router's activator
+        (or the HPA, or a person) changed the replicas since, the API server refuses it
+        and the next pass decides again on fresh counts."""
+        if self.load is None or not may_scale_to_zero(spec.autoscaling, spec.replicas):
+            return None
+        conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or ()}
+        available = conditions.get("Available") or {}
+        since = parse_iso(available.get("lastTransitionTime")) \
+            if available.get("status") == "True" else None
+        load = self.load.read(spec.name)
+        why = idle_verdict(spec.autoscaling, spec.replicas, load, since, self.clock())
+        if why is None:
+            return None
+        meta = body["metadata"]
+        try:
+            self.kube.merge_patch("InferenceService", spec.namespace, spec.name,
+                                  {"metadata": {"resourceVersion": meta.get("resourceVersion")},
+                                   "spec": {"replicas": 0}}, subresource="scale")
+        except KubeError as e:
+            if e.status == 409:
+                logger.info("%s/%s changed while scaling it to zero; deciding again next pass",
+                            spec.namespace, spec.name)
+            else:
+                logger.error("scaling %s/%s to zero failed: %s", spec.namespace, spec.name, e)
+            return None
+        message = f"scaled {spec.namespace}/{spec.name} to zero: {why}"
+        logger.info(message)
+        self.events(body, "Normal", "ScaledToZero", message)
+        return ("Idle", why)
 
     # -- steps ---------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ Phases (status.phase):
   Loading       shards run but no group is ready (model loading, rendezvous)
   Ready         at least spec.replicas groups are ready
   Degraded      some, but fewer than spec.replicas, groups are ready
-  ScaledToZero  spec.replicas is 0
+  ScaledToZero  spec.replicas is 0 (the ScaledToZero condition says since when and why)
   Failed        no group is ready and something needs a person: the spec cannot be
                 served (conditions say which field), a child cannot be applied, or the
                 shards crash or cannot pull their image
@@ -38,6 +38,10 @@ class Observed:
     url: Optional[str]
     # Why the reconcile could not do its job (invalid spec, apply refused), if it failed.
     error: Optional[tuple[str, str]] = None  # (reason, message)
+    # This pass scaled the InferenceService to zero: (reason, message) of ScaledToZero.
+    scaled_to_zero: Optional[tuple[str, str]] = None
+    # spec.autoscaling.idleSeconds when it may scale to zero (minReplicas 0), else None.
+    idle_seconds: Optional[int] = None
 
 
 def pod_problem(pod: Mapping[str, Any]) -> Optional[str]:
@@ -152,6 +156,25 @@ def conditions_of(obs: Observed) -> list[dict[str, Any]]:
     return out
 
 
+def zero_condition(obs: Observed, old: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """ScaledToZero: True since the InferenceService went to zero, saying why (the idle
+    time that made the operator scale it, or a zero set by hand); False while it serves."""
+    gen = obs.generation
+    if obs.replicas == 0:
+        previous = next((c for c in old if c.get("type") == "ScaledToZero"), None)
+        if obs.scaled_to_zero is not None:
+            reason, message = obs.scaled_to_zero
+        elif previous is not None and previous.get("status") == "True":
+            reason, message = previous.get("reason", "Idle"), previous.get("message", "")
+        else:
+            reason, message = "ReplicasZero", "spec.replicas is 0; the next request scales it up"
+        return _condition("ScaledToZero", True, reason, message, gen)
+    if obs.idle_seconds is not None:
+        return _condition("ScaledToZero", False, "Serving",
+                          f"scales to zero after {obs.idle_seconds} s without a request", gen)
+    return _condition("ScaledToZero", False, "Serving", "spec.autoscaling.minReplicas is not 0", gen)
+
+
 def merge_conditions(old: Sequence[Mapping[str, Any]], new: Sequence[dict[str, Any]],
                      now: str) -> list[dict[str, Any]]:
     """Keeps lastTransitionTime of conditions whose status did not change."""
@@ -188,6 +211,7 @@ def compute_status(obs: Observed, isvc: str, old_status: Mapping[str, Any],
             "ready": g.ready,
             "current": g.template_hash == obs.current_hash,
         } for g in live],
-        "conditions": merge_conditions(old_status.get("conditions") or (),
-                                       conditions_of(obs), now),
+        "conditions": merge_conditions(
+            old_status.get("conditions") or (),
+            conditions_of(obs) + [zero_condition(obs, old_status.get("conditions") or ())], now),
     }

@@ -1,10 +1,14 @@
 """Scale from zero: hold requests for a model that has no ready replica.
 
 When a request arrives for a model with zero ready replicas, the activator calls the
-``ScaleUpHook`` (at most once per ``hook_interval_s`` per model) and holds the request in
-a bounded per-model queue until a replica becomes ready, or answers 503 when
-``timeout_s`` expires. Requests are held, not refused, while a model wakes (as KEDA's
-HTTP add-on and Knative's activator do).
+``ScaleUpHook`` (at most once per ``hook_interval_s`` per model, and again every
+``hook_interval_s`` while requests are still held, so a scale-up lost in a race with a
+scale-down is asked for again) and holds the request in a bounded per-model queue until
+a replica becomes ready. Beyond the bound a request gets 429 with ``Retry-After``; one
+held past ``timeout_s`` gets a 503 saying the model is starting and how long it waited.
+Requests are held, not refused, while a model wakes (as KEDA's HTTP add-on and
+Knative's activator do). On Kubernetes the hook is ``KubernetesScaleUpHook``
+(backends/kubernetes.py): one replica through the InferenceService's /scale.
 """
 
 from __future__ import annotations
@@ -58,16 +62,21 @@ class Activator:
         if self.waiting.get(name, 0) >= self.max_waiting:
             raise Overloaded(f"Model `{name}` is starting and {self.max_waiting} requests already wait "
                              f"for it", retry_after_s=5)
+        model.load.arrived()
         self._call_hook(name)
         self.waiting[name] = self.waiting.get(name, 0) + 1
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_s):
                 while not model.ready_replicas:
-                    await model.ready_event.wait()
+                    try:
+                        await asyncio.wait_for(model.ready_event.wait(), self.hook_interval_s)
+                    except TimeoutError:
+                        self._call_hook(name)  # still nothing: ask again
         except TimeoutError:
-            raise NoBackend(f"model `{name}` has no ready replica: none became ready within "
-                            f"{self.timeout_s:g}s") from None
+            raise NoBackend(f"model `{name}` has no ready replica: it is starting, and none became "
+                            f"ready within {self.timeout_s:g}s (the request waited "
+                            f"{time.perf_counter() - start:.1f}s)") from None
         finally:
             self.waiting[name] -= 1
         return time.perf_counter() - start

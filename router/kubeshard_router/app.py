@@ -19,6 +19,7 @@ from kubeshard_router.backends.source import BackendSource
 from kubeshard_router.config import RouterConfig
 from kubeshard_router.errors import RouterError, ValidationFailed
 from kubeshard_router.http import ORJSONResponse, api_of, error_response, get_state, route_of
+from kubeshard_router.load_api import router as load_router
 from kubeshard_router.openai_api import router as openai_router
 from kubeshard_router.openai_schema import ChatCompletionRequest, CompletionRequest
 from kubeshard_router.playground import router as playground_router
@@ -62,6 +63,7 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
     app.include_router(tgi_router)
     app.include_router(openai_router)
     app.include_router(playground_router)
+    app.include_router(load_router)
 
     @app.get("/livez", tags=["Observability"], summary="200 while the router process runs")
     async def livez() -> Response:

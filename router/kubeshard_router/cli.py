@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-retries", type=int, default=d["max_retries"].default,
                    help="other replicas tried when one fails before its first token")
     g.add_argument("--router-id", default=None, help="name of this router instance in Redis counters")
+    g.add_argument("--load-token-file", default=None, metavar="PATH",
+                   help="bearer token of GET /internal/load (this router's load, for the metrics "
+                        "server when Redis is away); unset: the route is off")
     return p
 
 
@@ -108,7 +111,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         max_retries=args.max_retries, max_top_n_tokens=args.max_top_n_tokens,
         max_stop_sequences=args.max_stop_sequences, max_body_bytes=args.max_body_bytes,
         affinity_blocks=args.affinity_blocks, load_factor=args.load_factor,
-        drain_timeout_s=args.drain_timeout, log_level=args.log_level, **extra)
+        drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+        load_token_file=args.load_token_file, **extra)
 
 
 async def serve(config: RouterConfig, balance: str = "prefix") -> None:

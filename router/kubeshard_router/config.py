@@ -34,6 +34,9 @@ class RouterConfig:
     cache_max_entry_bytes: int = 4 * 1024 * 1024
     counters_ttl_s: int = 15
     counters_interval_s: float = 1.0
+    # File holding the bearer token of GET /internal/load (the load, asked directly by the
+    # operator's metrics server when Redis is away); None: the route answers 404.
+    load_token_file: Optional[str] = None
 
     # Authentication and rate limits.
     api_keys_file: Optional[str] = None

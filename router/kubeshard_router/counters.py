@@ -1,16 +1,28 @@
-"""Per-model in-flight and queued counts of this router instance, published to Redis.
+"""Per-model load of this router instance, published to Redis for the autoscaler.
 
 Each router instance writes ``kubeshard:{model}:{revision}:load:{router_id}``, a hash
-``{"in_flight": n, "queued": m}`` with a TTL of ``ttl_s``, every ``interval_s`` (and not
-at all on the request path). A router that dies stops refreshing its keys and its
-counts vanish when they expire, so the sum over live routers (``read_load``) is what the
-autoscaler reads. Queued counts include requests held while a model scales from zero.
+
+    in_flight          requests generating on a replica
+    queued             requests waiting for a slot or held while the model wakes from zero
+    tokens_in_flight   prompt tokens plus the new tokens still reserved, of both
+    tokens_per_second  output tokens per second over the last ten seconds
+    last_request_at    epoch seconds of the last request (0: none since start)
+
+with a TTL of ``ttl_s``, every ``interval_s`` (never on the request path), and adds
+``{revision}|{router_id}`` to the model's index ``kubeshard:{model}:routers``, a sorted
+set scored by when the entry expires, so a reader finds every live router's hash of a
+model (whatever revision it serves) without scanning the keyspace. A router that dies
+stops refreshing: its hash expires with the TTL and its index entry scores in the past,
+so the sum over live routers is the load. The operator's metrics server and its
+scale-to-zero read these (``kubeshard_operator.load`` is the reader; the key layout is
+the contract between the two).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -27,10 +39,23 @@ class ModelLoad:
     revision: str
     in_flight: int
     queued: int
+    tokens_in_flight: int = 0
+    tokens_per_second: float = 0.0
+    last_request_at: float = 0.0
+
+    def fields(self) -> dict[str, int | float]:
+        return {"in_flight": self.in_flight, "queued": self.queued,
+                "tokens_in_flight": self.tokens_in_flight,
+                "tokens_per_second": self.tokens_per_second,
+                "last_request_at": self.last_request_at}
 
 
 def load_key(model: str, revision: str, router_id: str) -> str:
     return f"kubeshard:{model}:{revision}:load:{router_id}"
+
+
+def index_key(model: str) -> str:
+    return f"kubeshard:{model}:routers"
 
 
 async def read_load(client: aioredis.Redis, model: str, revision: str) -> tuple[int, int]:
@@ -60,13 +85,18 @@ class LoadPublisher:
         loads = list(self.snapshot())
         if not loads:
             return
+        expires = time.time() + self.ttl_s
 
         async def write(r: aioredis.Redis) -> None:
             pipe = r.pipeline(transaction=False)
             for load in loads:
                 key = load_key(load.model, load.revision, self.router_id)
-                pipe.hset(key, mapping={"in_flight": load.in_flight, "queued": load.queued})
+                pipe.hset(key, mapping=load.fields())
                 pipe.expire(key, self.ttl_s)
+                index = index_key(load.model)
+                pipe.zadd(index, {f"{load.revision}|{self.router_id}": expires})
+                pipe.zremrangebyscore(index, "-inf", time.time())
+                pipe.expire(index, self.ttl_s)
             await pipe.execute()
 
         await self.store.run("counters", write)
@@ -86,8 +116,14 @@ class LoadPublisher:
             self._task.cancel()
         # Remove this replica's counts at once rather than waiting for expiry.
         try:
-            keys = [load_key(l.model, l.revision, self.router_id) for l in self.snapshot()]
-            if keys:
-                await self.store.run("counters", lambda r: r.delete(*keys))
+            loads = list(self.snapshot())
+            if loads:
+                async def remove(r: aioredis.Redis) -> None:
+                    pipe = r.pipeline(transaction=False)
+                    for l in loads:
+                        pipe.delete(load_key(l.model, l.revision, self.router_id))
+                        pipe.zrem(index_key(l.model), f"{l.revision}|{self.router_id}")
+                    await pipe.execute()
+                await self.store.run("counters", remove)
         except (StoreUnavailable, Exception):
             pass

@@ -1,4 +1,9 @@
-"""Cache in front of the dispatcher, and the per-request bookkeeping both APIs share."""
+"""Cache in front of the dispatcher, and the per-request bookkeeping both APIs share.
+
+Every request also counts in its model's ``LoadTracker`` (``ModelState.load``): its
+arrival, and from the cache miss to its end the tokens it reserves (prompt plus
+``max_new_tokens``), of which each streamed token frees one.
+"""
 
 from __future__ import annotations
 
@@ -46,25 +51,44 @@ class GenerationService:
 
     async def stream(self, model: ModelState, engine: EngineRequest, ctx: RequestContext,
                      control: CacheControl) -> AsyncIterator[pb.Token]:
+        load = model.load
+        load.arrived()
         key, cached = await self._lookup(model, engine, ctx, control)
         if cached is not None:
             for token in cached:
                 yield token
             return
         record: Optional[list[pb.Token]] = [] if key is not None and control.write else None
-        async for token in self.dispatcher.stream(model, engine, ctx):
-            if record is not None:
-                record.append(token)
-            yield token
+        reserved = len(engine.input_ids) + engine.token_budget
+        load.begin(reserved)
+        streamed = 0
+        try:
+            async for token in self.dispatcher.stream(model, engine, ctx):
+                if record is not None:
+                    record.append(token)
+                streamed += 1
+                load.produced()
+                yield token
+        finally:
+            load.end(reserved - streamed)
         if record and self.cache is not None:
             self.cache.put(key, record)
 
     async def collect(self, model: ModelState, engine: EngineRequest, ctx: RequestContext,
                       control: CacheControl) -> list[pb.Token]:
+        load = model.load
+        load.arrived()
         key, cached = await self._lookup(model, engine, ctx, control)
         if cached is not None:
             return cached
-        tokens = await self.dispatcher.collect(model, engine, ctx)
+        reserved = len(engine.input_ids) + engine.token_budget
+        load.begin(reserved)
+        tokens: list[pb.Token] = []
+        try:
+            tokens = await self.dispatcher.collect(model, engine, ctx)
+        finally:
+            load.produced(len(tokens))
+            load.end(reserved - len(tokens))
         if key is not None and control.write and self.cache is not None:
             self.cache.put(key, tokens)
         return tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from prometheus_client.metrics_core import GaugeMetricFamily
@@ -27,6 +28,16 @@ from kubeshard_router.redis_store import RedisStore
 log = logging.getLogger("kubeshard.router")
 
 
+def platform_hook(sources: list[BackendSource]) -> ScaleUpHook:
+    """The scale-up hook of the first source that can scale its models (Kubernetes: the
+    InferenceService's /scale); else one that only logs (static backends)."""
+    for source in sources:
+        make = getattr(source, "scale_up_hook", None)
+        if make is not None:
+            return make()
+    return LoggingScaleUpHook()
+
+
 class RouterState:
     def __init__(self, config: RouterConfig, sources: list[BackendSource], *,
                  hook: Optional[ScaleUpHook] = None, balance_mode: str = "prefix") -> None:
@@ -36,7 +47,7 @@ class RouterState:
         self.registry = Registry(config)
         self.balancer = Balancer(mode=balance_mode, affinity_blocks=config.affinity_blocks,
                                  load_factor=config.load_factor)
-        self.activator = Activator(hook or LoggingScaleUpHook(), max_waiting=config.max_queue_per_model,
+        self.activator = Activator(hook or platform_hook(sources), max_waiting=config.max_queue_per_model,
                                    timeout_s=config.activation_timeout_s,
                                    on_scale_up=lambda m: self.metrics.scale_up_calls.labels(m).inc())
         self.dispatcher = Dispatcher(self.registry, self.balancer, self.activator, self.metrics, config)
@@ -65,6 +76,12 @@ class RouterState:
                 self._key_watchers.append(SecretKeyWatcher(namespace, name, self.api_keys))
         self.intake = Intake(config, self.registry, self.activator, self.generation, self.ratelimiter,
                              self.metrics, self.api_keys)
+        # The token of GET /internal/load (load_api.py); read once, a bad path fails start-up.
+        self.load_token: Optional[str] = None
+        if config.load_token_file:
+            self.load_token = Path(config.load_token_file).read_text().strip() or None
+            if self.load_token is None:
+                raise ValueError(f"load_token_file {config.load_token_file!r} is empty")
         self.draining = False
         self.started_at = time.time()
         self.metrics.add_gauges(self._gauges)
@@ -103,9 +120,11 @@ class RouterState:
     # observability -----------------------------------------------------------------------
 
     def load_snapshot(self) -> Iterable[ModelLoad]:
-        for model in self.registry.models.values():
+        for model in list(self.registry.models.values()):
+            tokens = model.load.snapshot()
             yield ModelLoad(model.name, model.revision, model.admission.in_flight,
-                            model.admission.queued + self.activator.held(model.name))
+                            model.admission.queued + self.activator.held(model.name),
+                            tokens.tokens_in_flight, tokens.tokens_per_second, tokens.last_request_at)
 
     def _gauges(self) -> Iterable[GaugeMetricFamily]:
         queue = GaugeMetricFamily("tgi_queue_size", "Requests waiting in the router queue", labels=["model"])

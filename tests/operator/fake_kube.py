@@ -90,7 +90,15 @@ class FakeKube:
         obj = self.objects.get((kind, namespace, name))
         if obj is None:
             raise KubeError(404, "NotFound", f"{kind} {namespace}/{name} not found")
+        meta = dict(patch.get("metadata") or {})
+        version = meta.pop("resourceVersion", None)
+        if version is not None and obj["metadata"].get("resourceVersion", version) != version:
+            raise KubeError(409, "Conflict", "the object has been modified; please apply your "
+                                             "changes to the latest version and try again")
+        patch = {**patch, "metadata": meta} if "metadata" in patch else patch
         _merge(obj, patch)
+        if subresource == "scale":
+            obj["metadata"]["generation"] = obj["metadata"].get("generation", 0) + 1
         return copy.deepcopy(obj)
 
     # -- what a test does besides the operator -------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 
 from kubeshard_operator import API_VERSION, naming as n
 from kubeshard_operator.builders import build_headless_service, owner_reference, template_hash
+from kubeshard_operator.load import ModelLoad
 from kubeshard_operator.reconciler import Reconciler
 from tests.operator.factories import CFG, make_spec, spec_dict
 from tests.operator.fake_kube import FakeKube, FixedClock
@@ -26,12 +27,29 @@ GROUP0 = [("apply", "Service", "tiny-g0"), ("apply", "StatefulSet", "tiny-g0")]
 STATUS = ("merge_patch", "InferenceService", "tiny", "status")
 
 
+class FakeLoad:
+    """Stands in for the LoadReader: the routers' summed counts, as a test sets them."""
+
+    def __init__(self) -> None:
+        self.load: ModelLoad | None = None
+        self.reads: list[str] = []
+        self.on_read = None  # called on each read: what else happens at that moment
+
+    def read(self, model: str) -> ModelLoad | None:
+        self.reads.append(model)
+        if self.on_read is not None:
+            self.on_read()
+        return self.load
+
+
 class World:
     def __init__(self) -> None:
         self.kube = FakeKube()
         self.clock = FixedClock(T0)
         self.events: list[tuple[str, str, str]] = []
-        self.reconciler = Reconciler(self.kube, CFG, self.record_event, clock=self.clock)
+        self.load = FakeLoad()
+        self.reconciler = Reconciler(self.kube, CFG, self.record_event, clock=self.clock,
+                                     load=self.load)
 
     def record_event(self, body, type_: str, reason: str, message: str) -> None:
         assert body["metadata"]["name"] == NAME
@@ -274,3 +292,115 @@ def test_a_deleting_inference_service_is_left_to_the_finalizer(world):
     assert world.take() == ([], [])
     world.kube.remove("InferenceService", NS, NAME)
     assert world.reconcile() is None
+
+
+# -- scale to zero ---------------------------------------------------------------------------
+
+ZERO = {"minReplicas": 0, "maxReplicas": 3, "idleSeconds": 60}
+WITH_HPA = [("apply", "Service", "tiny"), ("apply", "PodDisruptionBudget", "tiny"),
+            ("apply", "HorizontalPodAutoscaler", "tiny")]
+SCALE = ("merge_patch", "InferenceService", "tiny", "scale")
+
+
+def test_an_idle_model_scales_to_zero_after_idle_seconds_and_says_why(world):
+    world.ready(autoscaling=ZERO)
+    assert world.condition("Available")["lastTransitionTime"] == "2023-11-14T22:13:20Z"  # T0
+    assert world.condition("ScaledToZero") | {"lastTransitionTime": None} == {
+        "type": "ScaledToZero", "status": "False", "reason": "Serving",
+        "message": "scales to zero after 60 s without a request", "observedGeneration": 1,
+        "lastTransitionTime": None}
+    world.load.load = ModelLoad(routers=2, last_request_at=T0 + 10)
+    world.clock.advance(69)  # 59 s since the last request
+    assert world.reconcile() == "Ready"
+    assert world.take() == (WITH_HPA + GROUP0, [])
+
+    world.clock.advance(1)
+    assert world.reconcile() == "ScaledToZero"
+    sts = world.obj("StatefulSet", "tiny-g0")["metadata"]["uid"]
+    calls, events = world.take()
+    assert calls == [SCALE] + WITH_HPA + [
+        ("delete", "StatefulSet", "tiny-g0", "Foreground", sts),
+        ("delete", "Service", "tiny-g0", "Background", None), STATUS]
+    why = ("no request for 60 s (idleSeconds is 60; the last request came at "
+           "2023-11-14T22:13:30Z); the next request scales it up")
+    assert events == [("Normal", "ScaledToZero", f"scaled ml/tiny to zero: {why}"),
+                      ("Normal", "GroupRemoved", "removed group tiny-g0")]
+    isvc = world.obj("InferenceService", NAME)
+    assert isvc["spec"]["replicas"] == 0
+    zero = world.condition("ScaledToZero")
+    assert (zero["status"], zero["reason"], zero["message"]) == ("True", "Idle", why)
+    assert zero["lastTransitionTime"] == "2023-11-14T22:14:30Z"  # since when
+
+    # Later passes keep saying why and since when, and read no more load (nothing to decide).
+    world.kube.collect_garbage()
+    world.load.reads.clear()
+    world.clock.advance(30)
+    assert world.reconcile() == "ScaledToZero"
+    assert world.condition("ScaledToZero") == {**zero, "observedGeneration": 2}  # /scale bumped it
+    assert world.load.reads == []
+    assert world.names("StatefulSet") == [] and world.names("HorizontalPodAutoscaler") == ["tiny"]
+
+
+def test_load_in_flight_or_unknown_keeps_the_model_up(world):
+    world.ready(autoscaling=ZERO)
+    world.clock.advance(3600)
+    for load in (ModelLoad(routers=1, in_flight=1), ModelLoad(routers=1, queued=2),
+                 ModelLoad(routers=0), None):
+        world.load.load = load
+        assert world.reconcile() == "Ready", load
+        calls, _ = world.take()
+        assert SCALE not in calls
+    assert world.obj("InferenceService", NAME)["spec"]["replicas"] == 1
+
+
+def test_a_model_that_may_not_scale_to_zero_is_never_read(world):
+    world.ready(autoscaling={"minReplicas": 1, "maxReplicas": 3})
+    world.clock.advance(3600)
+    world.load.load = ModelLoad(routers=1)
+    assert world.reconcile() == "Ready"
+    assert world.load.reads == []
+    assert world.condition("ScaledToZero")["message"] == "spec.autoscaling.minReplicas is not 0"
+
+
+def test_a_scale_up_racing_the_scale_down_wins(world):
+    """The router's activator scales the model up between this pass's read and its patch:
+    the resourceVersion precondition refuses the scale-down."""
+    world.ready(autoscaling=ZERO)
+    world.obj("InferenceService", NAME)["metadata"]["resourceVersion"] = "7"
+    world.clock.advance(3600)
+    world.load.load = ModelLoad(routers=1)
+
+    def router_scales_up():
+        world.obj("InferenceService", NAME)["metadata"]["resourceVersion"] = "8"
+    world.load.on_read = router_scales_up
+    assert world.reconcile() == "Ready"
+    calls, events = world.take()
+    assert SCALE in calls and events == []
+    assert world.obj("InferenceService", NAME)["spec"]["replicas"] == 1
+    assert world.names("StatefulSet") == ["tiny-g0"]
+
+
+def test_woken_from_zero_the_idle_time_counts_from_when_a_group_is_ready(world):
+    world.ready(autoscaling=ZERO)
+    world.load.load = ModelLoad(routers=1)
+    world.clock.advance(60)
+    assert world.reconcile() == "ScaledToZero"
+    world.kube.collect_garbage()
+    # A request arrives at zero: the router's activator asks for one replica.
+    world.clock.advance(500)
+    world.load.load = ModelLoad(routers=1, queued=1, last_request_at=world.clock.now)
+    world.kube.merge_patch("InferenceService", NS, NAME, {"spec": {"replicas": 1}},
+                           subresource="scale")
+    assert world.reconcile() == "Pending"
+    world.kube.run_statefulsets(ready=True)
+    world.clock.advance(5)
+    assert world.reconcile() == "Ready"
+    assert world.condition("ScaledToZero")["status"] == "False"
+    # The held request was served; its arrival was before the group was ready, so the
+    # idle period runs from readiness: 59 s later it is still up, at 60 s it goes.
+    world.load.load = ModelLoad(routers=1, last_request_at=world.clock.now - 5)
+    world.take()
+    world.clock.advance(59)
+    assert world.reconcile() == "Ready"
+    world.clock.advance(1)
+    assert world.reconcile() == "ScaledToZero"

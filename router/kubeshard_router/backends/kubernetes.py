@@ -8,6 +8,14 @@ the slice port named ``grpc`` (50051 when unnamed). A model exists as long as it
 InferenceService does, even with no endpoint (scaled to zero: requests are held by the
 activator). Watches run in threads with the kubernetes client and hand snapshots to
 the event loop, so replicas come and go without restarts.
+
+Scale from zero (``KubernetesScaleUpHook``): asks for one replica through the
+InferenceService's ``/scale`` subresource, only while it is at zero, with the object's
+resourceVersion as a precondition. Two routers that see the first request at once both
+read 0 and patch; the API server takes one patch and answers the other 409 Conflict,
+whose router reads again, finds 1 and stops: the model scales once. The router's RBAC
+is ``patch`` on ``inferenceservices/scale`` and nothing more (the read is the ``get`` on
+InferenceServices discovery already has).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from kubeshard_router.activation import ScaleUpHook
 from kubeshard_router.backends.registry import Registry
 
 log = logging.getLogger("kubeshard.router.kubernetes")
@@ -208,4 +217,60 @@ class KubernetesSource:
 
     async def stop(self) -> None:
         self._stop.set()
+
+    def scale_up_hook(self) -> ScaleUpHook:
+        return KubernetesScaleUpHook(self)
+
+    def locate(self, model: str) -> Optional[tuple[str, str]]:
+        """(namespace, name) of the InferenceService serving ``model`` (what discovery chose)."""
+        with self._lock:
+            keys = sorted(k for k in self._services if k[1] == model)
+        return keys[0] if keys else None
+
+    @property
+    def api_client(self) -> Any:
+        return self._api_client
+
+
+class KubernetesScaleUpHook:
+    """One replica for a model at zero, through its InferenceService's /scale (see above)."""
+
+    TRIES = 8
+
+    def __init__(self, source: KubernetesSource) -> None:
+        self.source = source
+
+    async def scale_up(self, model: str) -> None:
+        where = self.source.locate(model)
+        if where is None:
+            log.warning("model %s: no InferenceService to scale up", model)
+            return
+        for attempt in range(self.TRIES):
+            if await asyncio.to_thread(self._try_once, *where):
+                return
+            await asyncio.sleep(0.1 * (attempt + 1))
+        log.warning("model %s: the scale-up kept conflicting with other writers; the activator "
+                    "asks again while requests wait", model)
+
+    def _try_once(self, namespace: str, name: str) -> bool:
+        """True when nothing is left to do (scaled up now, or already above zero)."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        api = client.CustomObjectsApi(self.source.api_client)
+        obj = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        replicas = _get(obj, "spec", "replicas")
+        if replicas is None or int(replicas) >= 1:
+            return True  # someone already asked: another router, the HPA or a person
+        body = {"metadata": {"resourceVersion": _get(obj, "metadata", "resourceVersion")},
+                "spec": {"replicas": 1}}
+        try:
+            api.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name, body,
+                                                     _content_type="application/merge-patch+json")
+        except ApiException as exc:
+            if exc.status == 409:
+                return False  # changed since the read (status, another router): read again
+            raise
+        log.info("model %s: scaled %s/%s from zero to one replica", name, namespace, name)
+        return True
 

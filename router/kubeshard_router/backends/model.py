@@ -17,6 +17,7 @@ from kubeshard_proto import pb
 from kubeshard_router.admission import UNLIMITED, Admission
 from kubeshard_router.backends.grpc_client import ReplicaClient
 from kubeshard_router.config import RouterConfig
+from kubeshard_router.load import LoadTracker
 from kubeshard_router.tokenization import ModelTokenizer
 from kubeshard_router.validation import Limits
 
@@ -75,7 +76,8 @@ class Replica:
 
 
 class ModelState:
-    """One served model: its replicas, the ready ones, its tokenizer and limits, its admission."""
+    """One served model: its replicas, the ready ones, its tokenizer and limits, its admission,
+    and its token load (``load``: tokens in flight, tokens/s, last request)."""
 
     def __init__(self, name: str, config: RouterConfig, revision_hint: Optional[str] = None) -> None:
         self.name = name
@@ -90,6 +92,7 @@ class ModelState:
         self._config = config
         self.admission = Admission(name, max_queue=config.max_queue_per_model,
                                    queue_timeout_s=config.queue_timeout_s)
+        self.load = LoadTracker()
 
     @property
     def revision(self) -> str:
