@@ -16,8 +16,13 @@ Layout (one concept per module):
   kube.py       a small Kubernetes REST helper (server-side apply, list, delete)
   reconciler.py one reconcile pass: observe, plan, desired children, apply, report
   cleanup.py    the finalizer's Redis key removal
+  load.py       the routers' live load of a model (Redis, else the router pods directly)
+  idle.py       pure: when a model that may scale to zero is idle long enough
   handlers.py   thin kopf handlers
   cli.py        the `kubeshard-operator` entry point
+  metrics_api.py      the custom metrics API (custom.metrics.k8s.io/v1beta2) on aiohttp
+  delegated_auth.py   its delegated authentication and authorization
+  metrics_server.py   `kubeshard-operator metrics-server`: that API's process
 """
 
 API_GROUP = "kubeshard.io"

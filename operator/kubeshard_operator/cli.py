@@ -1,4 +1,8 @@
-"""`kubeshard-operator`: parse flags once into an OperatorConfig, then run kopf."""
+"""`kubeshard-operator`: parse flags once into an OperatorConfig, then run kopf.
+
+`kubeshard-operator metrics-server ...` runs the custom metrics API instead
+(metrics_server.py), from the same image.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "$KUBESHARD_REDIS_URL; unset: nothing to clean)")
     p.add_argument("--router-url", default=os.environ.get("KUBESHARD_ROUTER_URL"),
                    help="the router Service's base URL, shown in status.url")
+    p.add_argument("--router-service", default=None, metavar="NAMESPACE/NAME",
+                   help="the router Service, whose pods report their load directly when Redis "
+                        "is away (scale-to-zero reads it)")
+    p.add_argument("--load-token-file", default=None, metavar="PATH",
+                   help="bearer token of the routers' GET /internal/load")
     p.add_argument("--shard-image", default=DEFAULT_SHARD_IMAGE)
     p.add_argument("--shard-image-cuda", default=DEFAULT_SHARD_IMAGE_CUDA,
                    help="image of shard pods that request GPUs")
@@ -63,10 +72,17 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         router_url=args.router_url or None,
         redis_url=args.redis_url or None,
         reconcile_interval=args.reconcile_interval,
+        router_service=args.router_service or None,
+        load_token_file=args.load_token_file or None,
     )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["metrics-server"]:
+        from kubeshard_operator.metrics_server import main as metrics_server
+
+        return metrics_server(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -21,7 +21,12 @@ class OperatorConfig:
     # None: status.url is the leader Service's gRPC address.
     router_url: Optional[str] = None
     # Redis holding the router's per-model keys; None: the finalizer has nothing to clean.
+    # The routers' load counters are read from it too (scale to zero).
     redis_url: Optional[str] = None
+    # "NAMESPACE/NAME" of the router Service, and the bearer token file of its pods'
+    # GET /internal/load: the routers' load asked directly when Redis is away.
+    router_service: Optional[str] = None
+    load_token_file: Optional[str] = None
     # Seconds between two reconciles of an InferenceService when nothing happened (events
     # on the object and its children wake the reconciler at once).
     reconcile_interval: float = 10.0
@@ -33,3 +38,11 @@ class OperatorConfig:
     # backoff in between), so a model that cannot load does not churn pods.
     group_restart_backoff_min: float = 10.0
     group_restart_backoff_max: float = 300.0
+
+    def router_service_ref(self) -> Optional[tuple[str, str]]:
+        if not self.router_service:
+            return None
+        namespace, _, name = self.router_service.partition("/")
+        if not namespace or not name:
+            raise ValueError(f"router_service must be NAMESPACE/NAME, not {self.router_service!r}")
+        return namespace, name

@@ -27,6 +27,7 @@ from kubeshard_operator import naming as n
 from kubeshard_operator.cleanup import delete_model_keys, redact
 from kubeshard_operator.config import OperatorConfig
 from kubeshard_operator.kube import Kube
+from kubeshard_operator.load import LoadReader
 from kubeshard_operator.reconciler import Reconciler
 from kubeshard_operator.spec import SpecError, parse_spec
 
@@ -106,7 +107,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.execution.max_workers = 8
 
     memo.kube = Kube(_api_client())
-    memo.reconciler = Reconciler(memo.kube, cfg, _post_event)
+    # The routers' load (scale to zero): Redis, else the router pods directly.
+    load = None
+    if cfg.redis_url or (cfg.router_service and cfg.load_token_file):
+        load = LoadReader(redis_url=cfg.redis_url, kube=memo.kube,
+                          router_service=cfg.router_service_ref(), token_file=cfg.load_token_file)
+    memo.reconciler = Reconciler(memo.kube, cfg, _post_event, load=load)
     memo.wakeups = Wakeups()
     LOG.info("kubeshard operator configured: shard image %s, router %s, redis %s",
              cfg.shard_image, cfg.router_url or "-",
