@@ -212,7 +212,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "revision", "architecture", "dtype", "device_type", "max_input_tokens", "max_total_tokens", "max_batch_tokens", "max_concurrent_requests", "block_size", "num_kv_blocks", "strategy", "shards", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "version", "rank_parameter_bytes", "adapters", "max_sequences_per_request")
+    __slots__ = ("model_id", "revision", "architecture", "dtype", "device_type", "max_input_tokens", "max_total_tokens", "max_batch_tokens", "max_concurrent_requests", "block_size", "num_kv_blocks", "strategy", "shards", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "version", "rank_parameter_bytes", "adapters", "max_sequences_per_request", "runtime", "openai_port")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class InfoResponse(_message.Message):
     RANK_PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_PORT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     revision: str
     architecture: str
@@ -255,7 +257,9 @@ class InfoResponse(_message.Message):
     rank_parameter_bytes: _containers.RepeatedScalarFieldContainer[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     max_sequences_per_request: int
-    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., strategy: _Optional[str] = ..., shards: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., version: _Optional[str] = ..., rank_parameter_bytes: _Optional[_Iterable[int]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_sequences_per_request: _Optional[int] = ...) -> None: ...
+    runtime: str
+    openai_port: int
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., strategy: _Optional[str] = ..., shards: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., version: _Optional[str] = ..., rank_parameter_bytes: _Optional[_Iterable[int]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_sequences_per_request: _Optional[int] = ..., runtime: _Optional[str] = ..., openai_port: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "source", "rank", "target_modules")
