@@ -13,7 +13,12 @@ export KUBESHARD_CACHE
 STAMP := $(VENV)/.kubeshard-installed
 PACKAGES := proto/pyproject.toml shard_server/pyproject.toml router/pyproject.toml operator/pyproject.toml
 
-.PHONY: help install system-deps run test test-unit test-e2e bench proto k8s-tools cluster cluster-down e2e-kind clean
+# The local cluster's node: "containerd" (the real kubelet, containerd, runc, CNI) or
+# "process" (the process-backed node agent).
+KUBESHARD_NODE_RUNTIME ?= process
+export KUBESHARD_NODE_RUNTIME
+
+.PHONY: help install system-deps run test test-unit test-e2e bench proto k8s-tools node-tools images cluster cluster-down e2e-kind clean
 
 help: ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -56,6 +61,13 @@ proto: ## regenerate the gRPC stubs from proto/kubeshard.proto
 
 k8s-tools: ## build (or reuse) the pinned Kubernetes, etcd and helm binaries
 	hack/k8s-tools.sh
+
+node-tools: ## build (or reuse) the real node's tools: runc wrapper, pause, crictl
+	hack/ensure-system-deps.sh --containers
+	hack/node-tools.sh
+
+images: node-tools ## build (or reuse) the container images, saved under $KUBESHARD_CACHE/images
+	hack/images.sh
 
 cluster: install k8s-tools ## start the local control plane in the background
 	$(PY) -m e2e.cluster up

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(cluster: LocalCluster, idle_s: float = 60.0) -> str:
     """Warm start time and idle resident memory of every control-plane process."""
     from . import controlplane, processes
-    from .local import ADDONS
+    from .local import addons
 
     if cluster.is_running():
         raise SystemExit("a cluster is running in this state dir: `down` it first")
@@ -59,7 +59,7 @@ def measure(cluster: LocalCluster, idle_s: float = 60.0) -> str:
     time.sleep(idle_s)
     rows, total = [], 0
     assert cluster.config is not None
-    for name in controlplane.COMPONENTS + ADDONS:
+    for name in controlplane.COMPONENTS + addons(cluster.config):
         pid = processes.running(name, cluster.config.pid_dir)
         # Resident set of the process alone (the node agent's pods are not the node).
         rss_kib = int(next(line.split()[1] for line in open(f"/proc/{pid}/status")

@@ -183,6 +183,8 @@ def _client_identities(config: ClusterConfig) -> dict[str, tuple[str, tuple[str,
         "scheduler": ("system:kube-scheduler", ()),
         "kube-proxy": ("system:kube-proxy", ()),
     }
+    if config.runtime == "containerd":  # the real node's NetworkPolicy engine
+        ids["kube-router"] = ("system:kube-router", ())
     for node in config.node_specs:
         ids[f"node-{node.name}"] = (f"system:node:{node.name}", ("system:nodes",))
     return ids

@@ -41,10 +41,18 @@ class NodeSpec:
         return str(next(ipaddress.ip_network(self.pod_cidr).hosts()))
 
 
+# What runs the pods: "process" is the process-backed node agent (e2e/cluster/node/);
+# "containerd" is the real kubelet with containerd, runc and the CNI ptp plugin
+# (e2e/cluster/kubelet/).
+RUNTIMES = ("process", "containerd")
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     state_dir: Path
     bin_dir: Path
+    runtime: str = "process"
+    instance: int = 0
     nodes: int = 1
     node_cpu: str = "16"
     node_memory: str = "64Gi"
@@ -62,6 +70,8 @@ class ClusterConfig:
     kube_proxy_metrics_port: int = 36249
     dns_port: int = 36053
     kubelet_port: int = 10250
+    kubelet_healthz_port: int = 10248
+    netpol_healthz_port: int = 36244
     # The kubelet waits 10 s, doubling to 5 min, before restarting a crashed container;
     # tests want to see several restarts in seconds, so the local node starts lower.
     restart_backoff_initial_s: float = 1.0
@@ -83,6 +93,21 @@ class ClusterConfig:
             )
             for i in range(self.nodes)
         ]
+
+    @classmethod
+    def for_instance(cls, instance: int, **fields) -> "ClusterConfig":
+        """Cluster number `instance` on this machine: instance 0 has the defaults; each
+        further one shifts every port by 1000 and the pod and Service ranges by one in
+        the second octet, so two clusters (say, a process-backed one and a real node)
+        can run side by side."""
+        if instance == 0:
+            return cls(**fields)
+        shifted = {f.name: getattr(cls, f.name) + 1000 * instance for f in dataclasses.fields(cls)
+                   if f.name.endswith("_port") and f.name != "kubelet_port"}
+        for name in ("cluster_cidr", "service_cidr"):
+            a, b, rest = getattr(cls, name).split(".", 2)
+            shifted[name] = f"{a}.{int(b) + instance}.{rest}"
+        return cls(**{**shifted, "instance": instance, **fields})
 
     @property
     def advertise_address(self) -> str:
@@ -130,6 +155,14 @@ class ClusterConfig:
         return self.state_dir / "cluster.json"
 
     # ---- persistence: the node agent and DNS processes read the same config --------
+    @property
+    def run_dir(self) -> Path:
+        """Sockets and runtime state of the real node: short paths (a unix socket path
+        must stay under 108 bytes) under /run, one folder per state dir."""
+        import hashlib
+
+        return Path("/run/kubeshard") / hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
+
     def save(self) -> None:
         data = dataclasses.asdict(self)
         data["state_dir"] = str(self.state_dir)

@@ -42,9 +42,11 @@ def _apiserver(c: ClusterConfig, pki: Pki) -> list[str]:
     return [
         str(c.bin_dir / "kube-apiserver"),
         f"--etcd-servers=http://127.0.0.1:{c.etcd_client_port}",
-        "--bind-address=127.0.0.1", f"--secure-port={c.apiserver_port}",
-        # Pods reach the API at this address (DNAT'd to 127.0.0.1 by hostnet); it is what
-        # the `kubernetes` Service's endpoints say.
+        # Pods reach the API at the advertised address: on the process-backed node
+        # hostnet DNATs it to 127.0.0.1; on the real node the API server listens on it
+        # too (the node's nft table admits only pods and the host).
+        f"--bind-address={'0.0.0.0' if c.runtime == 'containerd' else '127.0.0.1'}",
+        f"--secure-port={c.apiserver_port}",
         f"--advertise-address={c.advertise_address}",
         f"--service-cluster-ip-range={c.service_cidr}",
         f"--tls-cert-file={pki.apiserver.cert}", f"--tls-private-key-file={pki.apiserver.key}",
@@ -89,8 +91,11 @@ def _controller_manager(c: ClusterConfig, pki: Pki) -> list[str]:
         f"--requestheader-client-ca-file={pki.front_proxy_ca.cert}",
         f"--client-ca-file={pki.ca.cert}",
         f"--service-cluster-ip-range={c.service_cidr}", f"--cluster-cidr={c.cluster_cidr}",
-        # Nodes bring their pod CIDR with them (the node agent sets spec.podCIDR).
-        "--allocate-node-cidrs=false", "--configure-cloud-routes=false",
+        # The node agent sets its own spec.podCIDR; the real kubelet's comes from here
+        # (node i gets the i-th /24 of the cluster CIDR, as node_specs computes).
+        *(["--allocate-node-cidrs=true", "--node-cidr-mask-size=24"] if c.runtime == "containerd"
+          else ["--allocate-node-cidrs=false"]),
+        "--configure-cloud-routes=false",
         "--horizontal-pod-autoscaler-sync-period=5s",
         "--node-monitor-period=5s",
         "--profiling=false",
@@ -110,9 +115,11 @@ def _scheduler(c: ClusterConfig) -> list[str]:
 def write_kubeconfigs(c: ClusterConfig, pki: Pki) -> None:
     ca = pki.ca.cert
     write_kubeconfig(c.kubeconfig, c.apiserver_url, ca, pki.clients["admin"], "kubernetes-admin")
-    for name, user in (("controller-manager", "system:kube-controller-manager"),
-                       ("scheduler", "system:kube-scheduler"),
-                       ("kube-proxy", "system:kube-proxy")):
+    names = [("controller-manager", "system:kube-controller-manager"),
+             ("scheduler", "system:kube-scheduler"), ("kube-proxy", "system:kube-proxy")]
+    if c.runtime == "containerd":
+        names.append(("kube-router", "system:kube-router"))
+    for name, user in names:
         write_kubeconfig(c.component_kubeconfig(name), c.apiserver_url, ca, pki.clients[name], user)
     for node in c.node_specs:
         write_kubeconfig(c.component_kubeconfig(f"node-{node.name}"), c.apiserver_url, ca,

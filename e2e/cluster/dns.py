@@ -159,11 +159,14 @@ def serve(config: ClusterConfig, stop: threading.Event) -> None:
                          name=f"watch{path}").start()
     resolver = ClusterResolver(index)
     quiet = DNSLogger("-request,-reply,-truncated,-error,-recv,-send,-data")
-    servers = [DNSServer(resolver, port=config.dns_port, address="127.0.0.1", tcp=tcp, logger=quiet)
+    # The real node's pods reach it at the node's address (kube-dns's endpoint; the node's
+    # nft table admits only pods and the host); the process-backed node DNATs to loopback.
+    address = "0.0.0.0" if config.runtime == "containerd" else "127.0.0.1"
+    servers = [DNSServer(resolver, port=config.dns_port, address=address, tcp=tcp, logger=quiet)
                for tcp in (False, True)]
     for s in servers:
         s.start_thread()
-    log.info("cluster DNS on 127.0.0.1:%d (service IP %s)", config.dns_port, config.dns_service_ip)
+    log.info("cluster DNS on %s:%d (service IP %s)", address, config.dns_port, config.dns_service_ip)
     stop.wait()
     for s in servers:
         s.stop()

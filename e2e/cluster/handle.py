@@ -46,6 +46,11 @@ class Cluster:
         self.is_local = is_local
         self.local_config = local_config
 
+    @property
+    def _real_node(self) -> bool:
+        """The local cluster's node is the real kubelet (logs and exec through the API)."""
+        return self.local_config is not None and self.local_config.runtime == "containerd"
+
     def __repr__(self) -> str:
         return f"Cluster(kubeconfig={self.kubeconfig!r}, is_local={self.is_local})"
 
@@ -96,7 +101,7 @@ class Cluster:
     def pod_logs(self, namespace: str, pod: str, container: str | None = None, *,
                  previous: bool = False) -> str:
         """The container's log (current run, or the previous one); "" if it has none yet."""
-        if not self.is_local:
+        if not self.is_local or self._real_node:
             args = ["logs", pod, "-n", namespace] + (["-c", container] if container else [])
             return self.kubectl(*args, *(["--previous"] if previous else []), check=False).stdout
         container = container or self._default_container(namespace, pod)
@@ -115,9 +120,9 @@ class Cluster:
         """Run argv inside a running container, like `kubectl exec` (output captured).
 
         On the local cluster this enters the container's namespaces with nsenter and uses
-        its environment (the local node has no exec streaming API).
+        its environment (the process-backed node has no exec streaming API).
         """
-        if not self.is_local:
+        if not self.is_local or self._real_node:
             args = ["exec", pod, "-n", namespace] + (["-c", container] if container else [])
             return self.kubectl(*args, "--", *argv, check=check, timeout=timeout)
         from .node.agent import container_pid
@@ -133,6 +138,10 @@ class Cluster:
     def pod_pids(self, namespace: str, pod: str) -> list[int]:
         """Local cluster only: pids of the pod's live container processes."""
         assert self.local_config is not None, "pod_pids needs the local cluster"
+        if self._real_node:
+            from .kubelet import RealNode
+
+            return RealNode(self.local_config).pod_pids(namespace, pod)
         pids = []
         for pid_file in self.local_config.pods_dir.glob(f"{namespace}_{pod}_*/*/pid"):
             pid = int(pid_file.read_text())

@@ -1,9 +1,14 @@
 """LocalCluster: the whole local Kubernetes cluster, started and stopped as one thing.
 
 Start order: host network, etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler, node agents (which register Nodes), kube-proxy, cluster DNS. Stop is
-the reverse, then every leftover is swept by name (pod sandboxes, container processes,
-the bridge, nft tables, created mountpoints), so `down` also cleans up after a crash.
+kube-scheduler, the node (the process-backed agents, or the real node: containerd and
+the kubelet, which register Nodes), kube-proxy, cluster DNS. Stop is the reverse, then
+every leftover is swept by name (pod sandboxes, container processes, shims, the bridge
+or the node's interfaces, nft tables and iptables chains, mounts, cgroups), so `down`
+also cleans up after a crash.
+
+The runtime is "process" or "containerd" (ClusterConfig.RUNTIMES): the argument, else
+$KUBESHARD_NODE_RUNTIME, else the default below.
 
 Sharing one cluster between pytest sessions is in sharing.py.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -22,15 +28,31 @@ from dnslib import DNSRecord
 
 from . import controlplane, hostnet, processes
 from .certs import Pki
-from .config import PAUSE_MARKER, REPO_ROOT, ClusterConfig, default_state_dir
+from .config import PAUSE_MARKER, REPO_ROOT, RUNTIMES, ClusterConfig, default_state_dir
 from .controlplane import StartupError, wait_healthy
 from .handle import Cluster
 from .node.api import Api, ApiError
+from .kubelet import RealNode
 from .node.volumes import remove_all_created
 from .tools import find_bin_dir
 
-ADDONS = ("node-agent", "kube-proxy", "cluster-dns")
-KUBE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy")
+DEFAULT_RUNTIME = "process"
+PROCESS_ADDONS = ("node-agent", "kube-proxy", "cluster-dns")
+CONTAINERD_ADDONS = ("containerd", "kubelet", "network-policy", "kube-proxy", "cluster-dns")
+ADDONS = PROCESS_ADDONS  # the default runtime's
+
+
+def addons(c: ClusterConfig) -> tuple[str, ...]:
+    return CONTAINERD_ADDONS if c.runtime == "containerd" else PROCESS_ADDONS
+
+
+def default_runtime() -> str:
+    runtime = os.environ.get("KUBESHARD_NODE_RUNTIME", DEFAULT_RUNTIME)
+    if runtime not in RUNTIMES:
+        raise ValueError(f"KUBESHARD_NODE_RUNTIME={runtime!r}: must be one of {', '.join(RUNTIMES)}")
+    return runtime
+KUBE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy",
+                 "kubelet", "containerd")
 PYTHON = str(REPO_ROOT / ".venv" / "bin" / "python") if (REPO_ROOT / ".venv" / "bin" / "python").exists() \
     else sys.executable
 
@@ -39,9 +61,12 @@ class LocalCluster:
     """A process-backed cluster whose state lives in `state_dir` (default .cache/cluster)."""
 
     def __init__(self, state_dir: Path | None = None, *, nodes: int = 1, node_gpus: int = 0,
-                 node_cpu: str = "16", node_memory: str = "64Gi", bin_dir: Path | None = None) -> None:
+                 node_cpu: str = "16", node_memory: str = "64Gi", bin_dir: Path | None = None,
+                 runtime: str | None = None, instance: int | None = None) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
-        self._options = dict(nodes=nodes, node_gpus=node_gpus, node_cpu=node_cpu, node_memory=node_memory)
+        self._options = dict(nodes=nodes, node_gpus=node_gpus, node_cpu=node_cpu, node_memory=node_memory,
+                             runtime=runtime or default_runtime())
+        self._instance = int(os.environ.get("KUBESHARD_CLUSTER_INSTANCE", "0")) if instance is None else instance
         self._bin_dir = bin_dir
         self.config: ClusterConfig | None = None
         if (self.state_dir / "cluster.json").exists():
@@ -53,7 +78,7 @@ class LocalCluster:
         c = self.config
         if c is None:
             return False
-        names = controlplane.COMPONENTS + ADDONS
+        names = controlplane.COMPONENTS + addons(c)
         if any(processes.running(n, c.pid_dir) is None for n in names):
             return False
         try:
@@ -73,7 +98,11 @@ class LocalCluster:
         bin_dir = self._bin_dir or find_bin_dir()
         self.down()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        c = ClusterConfig(state_dir=self.state_dir, bin_dir=bin_dir, **self._options)
+        c = ClusterConfig.for_instance(self._instance, state_dir=self.state_dir, bin_dir=bin_dir,
+                                       **self._options)
+        real_node = RealNode(c) if c.runtime == "containerd" else None
+        if real_node is not None:
+            real_node.prepare()  # builds images and tools the first time: minutes
         self.config = c
         for stale in (c.state_dir / "etcd", c.pods_dir, c.log_dir):
             shutil.rmtree(stale, ignore_errors=True)
@@ -81,13 +110,24 @@ class LocalCluster:
         c.save()
         try:
             pki = Pki.load_or_create(c)
-            hostnet.setup(c)
+            if real_node is None:
+                hostnet.setup(c)
+            else:
+                real_node.network_setup()
             controlplane.start(c, pki, timeout=timeout)
             api = Api(c.kubeconfig)
             _create_dns_service(api, c)
-            self._spawn_python("node-agent", "e2e.cluster.node")
+            if real_node is None:
+                self._spawn_python("node-agent", "e2e.cluster.node")
+                waiter = "node-agent"
+            else:
+                real_node.start(pki, self._spawn, timeout)
+                waiter = "kubelet"
             for node in c.node_specs:
-                wait_healthy("node-agent", lambda n=node.name: _node_ready(api, n), c, timeout)
+                wait_healthy(waiter, lambda n=node.name: _node_ready(api, n), c, timeout)
+            if real_node is not None:
+                real_node.advertise_gpus(api)
+                real_node.start_network_policy(api, self._spawn, timeout)
             self._spawn("kube-proxy", _kube_proxy_argv(c))
             wait_healthy("kube-proxy", lambda: _kube_proxy_synced(c), c, timeout)
             self._spawn_python("cluster-dns", "e2e.cluster.dns")
@@ -118,6 +158,8 @@ class LocalCluster:
         c = self.config
         if c is None:
             return []
+        if c.runtime == "containerd":
+            return self._down_real_node(c)
         # The node agent first: it stops pods gracefully while the API server still runs.
         processes.stop("node-agent", c.pid_dir, timeout=30.0)
         for name in ("kube-proxy", "cluster-dns"):
@@ -135,13 +177,27 @@ class LocalCluster:
         (c.state_dir / "owner").unlink(missing_ok=True)
         return left + hostnet.leftovers(c)
 
+    def _down_real_node(self, c: ClusterConfig) -> list[str]:
+        node = RealNode(c)
+        for name in ("kube-proxy", "cluster-dns"):
+            processes.stop(name, c.pid_dir, timeout=10.0)
+        node.stop()  # kubelet, every pod, containerd, mounts, cgroups, the node's network
+        remove_kube_proxy_chains()
+        controlplane.stop(c)
+        shutil.rmtree(c.state_dir / "etcd", ignore_errors=True)
+        (c.state_dir / "owner").unlink(missing_ok=True)
+        return self.leftovers()
+
     def leftovers(self) -> list[str]:
         """Everything of this cluster still present on the machine (empty after `down`)."""
         c = self.config
         if c is None:
             return []
-        found = hostnet.leftovers(c)
-        for name in controlplane.COMPONENTS + ADDONS:
+        if c.runtime == "containerd":
+            found = RealNode(c).leftovers() + [f"iptables chain {x}" for x in kube_proxy_chains()]
+        else:
+            found = hostnet.leftovers(c)
+        for name in controlplane.COMPONENTS + addons(c):
             pid = processes.running(name, c.pid_dir)
             if pid is not None:
                 found.append(f"{name} process {pid}")
@@ -159,6 +215,8 @@ class LocalCluster:
             if name in KUBE_BINARIES and any(marker in a for a in argv[1:]) \
                     and processes.start_time(int(entry.name)):
                 found.append(f"{name} process {entry.name}")
+        if c.runtime == "containerd":
+            return list(dict.fromkeys(found))
         found += [f"pod sandbox process {p}" for p in processes.find_by_argv0_prefix(PAUSE_MARKER)
                   if processes.start_time(p) is not None]
         own_mnt = os.readlink("/proc/self/ns/mnt")
@@ -190,6 +248,23 @@ def _preflight() -> None:
 
 
 def _kube_proxy_argv(c: ClusterConfig) -> list[str]:
+    if c.runtime == "containerd":
+        return [
+            str(c.bin_dir / "kube-proxy"),
+            f"--kubeconfig={c.component_kubeconfig('kube-proxy')}",
+            # iptables, beside the NetworkPolicy engine's chains; its own names (KUBE-*)
+            # never meet the nft table of a process-backed cluster on the same machine.
+            "--proxy-mode=iptables",
+            f"--hostname-override={c.node_specs[0].name}",
+            f"--cluster-cidr={c.cluster_cidr}",
+            f"--healthz-bind-address=127.0.0.1:{c.kube_proxy_healthz_port}",
+            f"--metrics-bind-address=127.0.0.1:{c.kube_proxy_metrics_port}",
+            # Leave the host's conntrack sizes and timeouts alone, and route_localnet
+            # off (NodePorts on 127.0.0.1 would need it, for every interface).
+            "--conntrack-max-per-core=0",
+            "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
+            "--iptables-localhost-nodeports=false",
+        ]
     return [
         str(c.bin_dir / "kube-proxy"),
         f"--kubeconfig={c.component_kubeconfig('kube-proxy')}",
@@ -210,6 +285,10 @@ def _kube_proxy_synced(c: ClusterConfig) -> tuple[bool, str]:
     status, body = controlplane._http_get(c.kube_proxy_healthz_port, "/healthz")
     if status != 200:
         return False, body
+    if c.runtime == "containerd":
+        chain = subprocess.run(["iptables", "-t", "nat", "-S", "KUBE-SERVICES"], capture_output=True,
+                               text=True, timeout=10)
+        return chain.returncode == 0, chain.stderr or "kube-proxy's KUBE-SERVICES chain exists"
     # Healthy can precede the first sync; the Service rules exist once its table does.
     table = subprocess.run(["nft", "list", "chain", "ip", "kube-proxy", "services"],
                            capture_output=True, text=True, timeout=10)
@@ -219,22 +298,67 @@ def _kube_proxy_synced(c: ClusterConfig) -> tuple[bool, str]:
 def _create_dns_service(api: Api, c: ClusterConfig) -> None:
     """kube-system/kube-dns, as in every cluster; reserves the DNS IP and documents it.
 
-    It has no selector and no endpoints: hostnet's nft table sends its traffic to the
-    DNS server on 127.0.0.1 before kube-proxy sees it.
+    It has no selector. On the process-backed node it has no endpoints either: hostnet's
+    nft table sends its traffic to the DNS server on 127.0.0.1 before kube-proxy sees
+    it. On the real node its endpoint is the DNS server on the node's address, and
+    kube-proxy does the rest.
     """
+    real = c.runtime == "containerd"
+    target = {"targetPort": c.dns_port} if real else {}
     body = {
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": "kube-dns", "namespace": "kube-system",
                      "labels": {"k8s-app": "kube-dns", "kubernetes.io/name": "CoreDNS"}},
         "spec": {"clusterIP": c.dns_service_ip, "ports": [
-            {"name": "dns", "port": 53, "protocol": "UDP"},
-            {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]},
+            {"name": "dns", "port": 53, "protocol": "UDP", **target},
+            {"name": "dns-tcp", "port": 53, "protocol": "TCP", **target}]},
     }
-    try:
-        api.create("/api/v1/namespaces/kube-system/services", body)
-    except ApiError as e:
-        if e.status != 409:
-            raise
+    objects = [("/api/v1/namespaces/kube-system/services", body)]
+    if real:
+        objects.append(("/api/v1/namespaces/kube-system/endpoints", {
+            "apiVersion": "v1", "kind": "Endpoints",
+            "metadata": {"name": "kube-dns", "namespace": "kube-system"},
+            "subsets": [{"addresses": [{"ip": c.advertise_address}],
+                         "ports": [{"name": "dns", "port": c.dns_port, "protocol": "UDP"},
+                                   {"name": "dns-tcp", "port": c.dns_port, "protocol": "TCP"}]}],
+        }))
+    for path, obj in objects:
+        try:
+            api.create(path, obj)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+
+
+def kube_proxy_chains() -> list[str]:
+    """iptables chains of kube-proxy's iptables mode (table/chain), on this machine."""
+    found = []
+    for table in ("nat", "filter", "mangle"):
+        out = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True, timeout=30)
+        found += [f"{table}/{line.split()[1]}" for line in out.stdout.splitlines()
+                  if line.startswith("-N KUBE-") and not line.split()[1].startswith("KUBE-ROUTER")]
+    return found
+
+
+def remove_kube_proxy_chains() -> None:
+    """Undo kube-proxy's iptables mode: the jumps from the built-in chains, then its chains.
+
+    Done by hand rather than with `kube-proxy --cleanup`, which would also delete the
+    nftables rules of a process-backed cluster running beside this one."""
+    for table in ("nat", "filter", "mangle"):
+        rules = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True,
+                               timeout=30).stdout.splitlines()
+        ours = {line.split()[1] for line in rules if line.startswith("-N KUBE-")
+                and not line.split()[1].startswith("KUBE-ROUTER")}
+        for line in rules:
+            parts = shlex.split(line)  # comments are quoted
+            if parts[0] == "-A" and parts[1] not in ours and "-j" in parts and \
+                    parts[parts.index("-j") + 1] in ours:
+                subprocess.run(["iptables", "-t", table, "-D", *parts[1:]], capture_output=True, timeout=30)
+        for chain in ours:
+            subprocess.run(["iptables", "-t", table, "-F", chain], capture_output=True, timeout=30)
+        for chain in ours:
+            subprocess.run(["iptables", "-t", table, "-X", chain], capture_output=True, timeout=30)
 
 
 def _node_ready(api: Api, name: str) -> tuple[bool, str]:
@@ -275,8 +399,8 @@ def summary(cluster: LocalCluster) -> dict:
     c = cluster.config
     if c is None:
         return {"running": False}
-    pids = {n: processes.running(n, c.pid_dir) for n in controlplane.COMPONENTS + ADDONS}
-    return {"running": cluster.is_running(), "kubeconfig": str(c.kubeconfig), "pids": pids,
+    pids = {n: processes.running(n, c.pid_dir) for n in controlplane.COMPONENTS + addons(c)}
+    return {"running": cluster.is_running(), "runtime": c.runtime, "kubeconfig": str(c.kubeconfig), "pids": pids,
             "apiserver": c.apiserver_url, "nodes": [n.name for n in c.node_specs]}
 
 

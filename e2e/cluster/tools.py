@@ -11,7 +11,7 @@ from kubeshard_shard.paths import cache_root
 from .config import REPO_ROOT
 
 TOOLS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy",
-         "kubectl", "etcd", "helm")
+         "kubelet", "kubectl", "etcd", "helm")
 
 
 def find_bin_dir(build: bool = True) -> Path:
