@@ -22,6 +22,21 @@
 {{- define "kubeshard.operator.fullname" -}}{{ include "kubeshard.fullname" . }}-operator{{- end -}}
 {{- define "kubeshard.router.fullname" -}}{{ include "kubeshard.fullname" . }}-router{{- end -}}
 {{- define "kubeshard.redis.fullname" -}}{{ include "kubeshard.fullname" . }}-redis{{- end -}}
+{{- define "kubeshard.metrics.fullname" -}}{{ include "kubeshard.fullname" . }}-metrics{{- end -}}
+{{- define "kubeshard.loadToken.secret" -}}{{ include "kubeshard.fullname" . }}-load-token{{- end -}}
+
+{{/* The volume and mount of the load token (the routers' GET /internal/load). */}}
+{{- define "kubeshard.loadToken.volume" -}}
+- name: load-token
+  secret:
+    secretName: {{ include "kubeshard.loadToken.secret" . }}
+{{- end -}}
+{{- define "kubeshard.loadToken.mount" -}}
+- name: load-token
+  mountPath: /etc/kubeshard/load-token
+  readOnly: true
+{{- end -}}
+{{- define "kubeshard.loadToken.file" -}}/etc/kubeshard/load-token/token{{- end -}}
 
 {{- define "kubeshard.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
