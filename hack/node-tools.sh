@@ -7,6 +7,10 @@
 #   pause          hack/images/pause.c, static: the sandbox image's only program
 #   crictl         sigs.k8s.io/cri-tools, pinned in hack/node-tools/go.mod: the CRI
 #                  client that removes the local node's pods on teardown
+#   kube-router    github.com/cloudnativelabs/kube-router/v2, pinned in hack/netpol/go.mod:
+#                  its network-policy controller (iptables + ipset) enforces
+#                  NetworkPolicy on the local node (v2.1.0 is the only release the Go
+#                  proxy serves; it runs on this machine's pod network only)
 #
 # containerd, runc and the CNI plugins are Debian's (hack/ensure-system-deps.sh
 # --containers). A stamp per tool (a hash of its sources) decides reuse.
@@ -57,12 +61,27 @@ build_crictl() {
   echo "$stamp" >"$bin/crictl.stamp"
 }
 
+build_kube_router() {
+  local src="$here/netpol" stamp
+  stamp="$(stamp_of "$src/go.mod" "$src/go.sum")"
+  if [ -x "$bin/kube-router" ] && [ "$(cat "$bin/kube-router.stamp" 2>/dev/null)" = "$stamp" ]; then return; fi
+  local go_bin; go_bin="$(command -v go || echo /usr/local/go/bin/go)"
+  echo "node-tools: building kube-router (about 5 minutes cold)" >&2
+  (cd "$src" && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=readonly \
+     GOCACHE="$cache/go/build" GOMODCACHE="$cache/go/mod" \
+     "$go_bin" build -trimpath -ldflags "-s -w" -o "$bin/kube-router.tmp" \
+       github.com/cloudnativelabs/kube-router/v2/cmd/kube-router) >&2
+  mv "$bin/kube-router.tmp" "$bin/kube-router"
+  echo "$stamp" >"$bin/kube-router.stamp"
+}
+
 exec 9>"$bin/.lock"
 flock -w 600 9
 if [ $# -eq 0 ]; then
   build_runc_wrapper
   build_pause
   build_crictl
+  build_kube_router
   echo "$bin"
   exit 0
 fi
@@ -71,6 +90,7 @@ for tool in "$@"; do
     runc-wrapper) build_runc_wrapper ;;
     pause) build_pause ;;
     crictl) build_crictl ;;
+    kube-router) build_kube_router ;;
     *) echo "node-tools: unknown tool $tool" >&2; exit 2 ;;
   esac
   echo "$bin/$tool"
