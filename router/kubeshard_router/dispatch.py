@@ -10,8 +10,9 @@ tokens up to the finish, cutting off a stalled or broken replica.
 gathers a whole answer for non-streaming requests; since the client has seen nothing,
 it may restart from scratch on another replica even after tokens arrived.
 
-Closing the stream (client gone) cancels the gRPC call at once, which tells the leader
-to free the request's KV blocks.
+Closing the stream (client gone) cancels the replica's generation at once (a gRPC call
+or an HTTP engine's request, ``backends.engine``), which tells it to free the request's
+KV blocks.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 import grpc
-from grpc import aio
 
 from kubeshard_proto import pb
 from kubeshard_router.activation import Activator
+from kubeshard_router.backends.engine import BackendError
 from kubeshard_router.backends.grpc_client import RETRYABLE_CODES
 from kubeshard_router.backends.model import ModelState, Replica
 from kubeshard_router.backends.registry import Registry
@@ -80,7 +81,7 @@ class Dispatcher:
             return
         ctx.queue_s = held + await model.admission.acquire()
 
-    def _error(self, model: ModelState, replica: Replica, exc: aio.AioRpcError) -> str:
+    def _error(self, model: ModelState, replica: Replica, exc: BackendError) -> str:
         code = exc.code()
         self.metrics.backend_errors.labels(model.name, code.name).inc()
         detail = f"{code.name}: {exc.details()}"
@@ -108,7 +109,7 @@ class Dispatcher:
             flight = Flight(replica, request, max(remaining, 0.001))
             try:
                 first = await flight.read()
-            except aio.AioRpcError as exc:
+            except BackendError as exc:
                 flight.close()
                 code = exc.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -159,7 +160,7 @@ class Dispatcher:
                 yield token
                 try:
                     following = await flight.read()
-                except aio.AioRpcError as exc:
+                except BackendError as exc:
                     raise IncompleteGeneration(f"replica {address} failed after {count} tokens "
                                                f"({self._error(model, flight.replica, exc)})") from None
                 except asyncio.CancelledError:

@@ -1,8 +1,9 @@
-"""One Generate call on one replica (a *flight*), and the watchdog that cuts off stalled ones.
+"""One generation on one replica (a *flight*), and the watchdog that cuts off stalled ones.
 
-A flight counts as outstanding on its replica from its start until ``close``; closing it
-cancels the gRPC call (a no-op once the call ended), which tells the leader to free the
-request's KV blocks.
+A flight reads the replica's ``GenerateStream`` (``backends.engine``: the gRPC contract's
+Generate, or an OpenAI-compatible HTTP engine). It counts as outstanding on its replica
+from its start until ``close``; closing it cancels the stream (a no-op once it ended),
+which tells the engine to free the request's KV blocks.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ import asyncio
 import time
 from typing import Optional
 
-from grpc import aio
-
 from kubeshard_proto import pb
+from kubeshard_router.backends.engine import GenerateStream
 from kubeshard_router.backends.model import Replica
 
 
@@ -22,17 +22,17 @@ class Flight:
 
     def __init__(self, replica: Replica, request: pb.GenerateRequest, timeout_s: float) -> None:
         self.replica = replica
-        self.call: aio.UnaryStreamCall = replica.client.generate(request, timeout_s)
+        self.call: GenerateStream = replica.generator.generate(request, timeout_s)
         replica.request_started()
         self.last = time.monotonic()  # when the replica last sent something
         self.stalled = False
         self._closed = False
 
     async def read(self) -> Optional[pb.Token]:
-        """The next token, or None when the replica ended the stream; raises the call's
-        ``AioRpcError``, or ``CancelledError`` when cancelled (by the watchdog: ``cut_off``)."""
+        """The next token, or None when the replica ended the stream; raises
+        ``BackendError``, or ``CancelledError`` when cancelled (by the watchdog: ``cut_off``)."""
         token = await self.call.read()
-        if token is aio.EOF:
+        if token is None:
             return None
         self.last = time.monotonic()
         return token
@@ -43,8 +43,8 @@ class Flight:
         self.call.cancel()
 
     def cut_off(self) -> bool:
-        """True when a CancelledError came from the watchdog cancelling the call (grpc.aio
-        raises CancelledError for locally cancelled calls), not from this task being cancelled."""
+        """True when a CancelledError came from the watchdog cancelling the call (a cancelled
+        stream raises CancelledError in its reader), not from this task being cancelled."""
         task = asyncio.current_task()
         return self.stalled and (task is None or task.cancelling() == 0)
 

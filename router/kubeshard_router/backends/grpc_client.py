@@ -1,11 +1,18 @@
-"""One gRPC client per replica leader: a long-lived channel, typed stubs, timeouts."""
+"""One gRPC client per replica leader: a long-lived channel, typed stubs, timeouts.
+
+It is also the ``grpc`` kind of generator (``backends.engine``): ``generate`` returns a
+``GrpcStream`` that reads the Generate call and turns its errors into ``BackendError``.
+"""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import grpc
 from grpc import aio
 
 from kubeshard_proto import pb, pb_grpc
+from kubeshard_router.backends.engine import BackendError
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 512 * 1024 * 1024),  # Info carries tokenizer.json
@@ -27,7 +34,29 @@ RETRYABLE_CODES = frozenset({
 })
 
 
+class GrpcStream:
+    """One Generate call: ``read`` gives tokens, then None; errors are ``BackendError``;
+    cancelling makes a waiting ``read`` raise ``CancelledError`` (grpc.aio's behaviour)."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: aio.UnaryStreamCall) -> None:
+        self.call = call
+
+    async def read(self) -> Optional[pb.Token]:
+        try:
+            token = await self.call.read()
+        except aio.AioRpcError as exc:
+            raise BackendError(exc.code(), exc.details() or "") from None
+        return None if token is aio.EOF else token
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
 class ReplicaClient:
+    kind = "grpc"
+
     def __init__(self, address: str, *, info_timeout_s: float, health_timeout_s: float) -> None:
         self.address = address
         self._info_timeout = info_timeout_s
@@ -44,8 +73,8 @@ class ReplicaClient:
     async def stats(self) -> pb.StatsResponse:
         return await self.stub.Stats(pb.StatsRequest(), timeout=self._health_timeout)
 
-    def generate(self, request: pb.GenerateRequest, timeout_s: float) -> aio.UnaryStreamCall:
-        return self.stub.Generate(request, timeout=timeout_s)
+    def generate(self, request: pb.GenerateRequest, timeout_s: float) -> GrpcStream:
+        return GrpcStream(self.stub.Generate(request, timeout=timeout_s))
 
     async def close(self) -> None:
         await self.channel.close(grace=None)

@@ -15,6 +15,7 @@ from typing import Any, Coroutine, Optional
 
 from kubeshard_proto import pb
 from kubeshard_router.admission import UNLIMITED, Admission
+from kubeshard_router.backends.engine import Generator
 from kubeshard_router.backends.grpc_client import ReplicaClient
 from kubeshard_router.config import RouterConfig
 from kubeshard_router.load import LoadTracker
@@ -28,16 +29,20 @@ class Replica:
     """One shard group of a model, reached through its leader's address.
 
     ``ready``, ``info`` and ``last_error`` are kept current by the registry's probe;
-    ``outstanding`` counts the requests the router has open on this replica.
+    ``outstanding`` counts the requests the router has open on this replica. ``client``
+    speaks the gRPC contract (Info, Health, Stats); ``generator`` starts generations
+    (``backends.engine``): the client itself, or, when the Info names a peer engine's
+    OpenAI-compatible port, that engine over HTTP.
     """
 
-    __slots__ = ("address", "model", "client", "outstanding", "ready", "info", "_probe",
-                 "_wake", "last_error")
+    __slots__ = ("address", "model", "client", "generator", "outstanding", "ready", "info",
+                 "_probe", "_wake", "last_error")
 
     def __init__(self, address: str, model: "ModelState", client: ReplicaClient) -> None:
         self.address = address
         self.model = model
         self.client = client
+        self.generator: Generator = client
         self.outstanding = 0
         self.ready = False
         self.info: Optional[pb.InfoResponse] = None

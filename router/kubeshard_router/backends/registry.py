@@ -3,7 +3,9 @@
 Every replica gets one gRPC client and one probe task: the task fetches ``Info`` once
 (retrying with backoff), then checks ``Health`` every ``health_interval_s``. A replica is
 *ready* when its Info is known and it reports serving; a request that finds a replica
-unreachable marks it not ready and wakes its probe.
+unreachable marks it not ready and wakes its probe. An Info that names a peer engine's
+OpenAI-compatible port (``openai_port``, from ``kubeshard engine-info``) gives the replica
+an HTTP generator on that port of the same host (``backends.engine``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Callable, Iterable, Optional
 
 import grpc
 
+from kubeshard_router.backends.engine import Generator
 from kubeshard_router.backends.grpc_client import ReplicaClient
 from kubeshard_router.backends.model import ModelState, Replica
+from kubeshard_router.backends.openai_http import OpenAIEngine
 from kubeshard_router.config import RouterConfig
 
 log = logging.getLogger("kubeshard.router.backends")
@@ -75,7 +79,22 @@ class Registry:
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         while replica.outstanding > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.5)
+        await self._close_replica(replica)
+
+    @staticmethod
+    async def _close_replica(replica: Replica) -> None:
+        if replica.generator is not replica.client:
+            await replica.generator.close()
         await replica.client.close()
+
+    def _generator(self, replica: Replica, info) -> Generator:
+        """What generates on this replica: its gRPC server, or the peer engine it names."""
+        if not info.openai_port:
+            return replica.client
+        host = replica.address.rpartition(":")[0]
+        return OpenAIEngine(f"http://{host}:{info.openai_port}", info.runtime, info,
+                            lambda: replica.model.tokenizer,
+                            connect_timeout_s=self.config.connect_timeout_s)
 
     def report_failure(self, replica: Replica, error: str) -> None:
         """A request could not reach this replica: take it out until a probe says otherwise."""
@@ -105,6 +124,7 @@ class Registry:
                 if replica.info is None:
                     info = await replica.client.info()
                     await replica.model.adopt_info(info)
+                    replica.generator = self._generator(replica, info)
                     replica.info = info
                     log.info("model %s: replica %s serves %s@%s (%s, max %d input / %d total tokens)",
                              replica.model.name, replica.address, info.model_id, info.revision,
@@ -142,5 +162,5 @@ class Registry:
                 replica.stop_probe()
         for model in list(self.models.values()):
             for replica in model.replicas.values():
-                await replica.client.close()
+                await self._close_replica(replica)
         self.models.clear()

@@ -1,0 +1,445 @@
+"""The ``openai`` kind of generator: an OpenAI-compatible HTTP engine (``backends.engine``).
+
+A generation is one streamed ``POST /v1/completions`` whose SSE chunks become
+``pb.Token`` messages, so the router's APIs, cache, balancing, retries and counters treat
+the engine like a shard server. What each engine accepts and returns differs; a
+*dialect* holds that, one per engine (a registry, not a chain of ifs):
+
+- ``vllm``: the prompt goes as token ids (exactly what the router tokenized), vLLM's
+  sampling extensions map one to one, and ``return_tokens_as_token_ids`` with
+  ``logprobs`` gives each token's id and logprob (and the top-n alternatives). Stop
+  strings stay in the output (``include_stop_str_in_output``) as with kubeshard's engine;
+  ``stop_reason`` tells a stop string from EOS.
+- ``llamacpp`` (llama-cpp-python's server): the prompt goes as text (the router's tokens
+  decoded; the server re-encodes them to the same tokens), one SSE chunk per generated
+  token. Token ids are derived honestly: the router tokenizes each streamed piece. Stop
+  sequences are matched by the router, which then cancels the engine's request (its
+  server trims them and cannot say which one matched). Logprobs are asked for only with
+  ``top_n_tokens`` (the server computes them over the whole vocabulary in Python); without
+  them a token's logprob is unknown (NaN, shown as null).
+
+What an engine cannot do is refused before anything is sent, as INVALID_ARGUMENT (a
+422 naming the field and the engine). HTTP failures map to the gRPC codes the dispatcher
+already understands: connection refused or 503 → UNAVAILABLE (retried elsewhere, the
+replica leaves the ready set), 429 → RESOURCE_EXHAUSTED, 400/422 → INVALID_ARGUMENT,
+other statuses → INTERNAL, a timeout → DEADLINE_EXCEEDED. ``cancel`` closes the HTTP
+connection; both engines abort a request whose client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any, Callable, Optional
+
+import aiohttp
+import grpc
+import orjson
+
+from kubeshard_proto import pb
+from kubeshard_router.backends.engine import BackendError
+from kubeshard_router.tokenization import ModelTokenizer
+
+NAN = float("nan")
+_END = object()
+
+
+class Unsupported(Exception):
+    """A request field this engine cannot honour (the message names field and engine)."""
+
+
+class Dialect:
+    """How one engine's /v1/completions is spoken. ``body`` builds the request (raising
+    ``Unsupported``); ``Decoder`` turns its SSE chunks into tokens."""
+
+    name = "openai"
+    router_stops = False  # True: the router matches stop sequences itself
+
+    def refuse(self, field: str, what: str) -> Unsupported:
+        return Unsupported(f"`{field}`: {what} is not supported by the {self.name} engine "
+                           f"that serves this model")
+
+    def common(self, request: pb.GenerateRequest, model_id: str) -> dict[str, Any]:
+        if request.n > 1:
+            raise self.refuse("n", "more than one sequence per request")
+        if request.HasField("grammar"):
+            raise self.refuse("grammar", "a grammar")
+        if request.adapter:
+            raise self.refuse("adapter_id", "a LoRA adapter")
+        if request.prefill_details or request.prefill_top_n_tokens:
+            raise self.refuse("decoder_input_details", "prompt token details")
+        s, stop = request.sampling, request.stopping
+        body: dict[str, Any] = {"model": model_id, "stream": True,
+                                "max_tokens": stop.max_new_tokens}
+        if s.do_sample:
+            body["temperature"] = s.temperature if s.HasField("temperature") else 1.0
+            body["top_p"] = s.top_p if s.HasField("top_p") else 1.0
+            if s.HasField("seed"):
+                body["seed"] = s.seed
+        else:
+            body["temperature"] = 0.0
+        if s.HasField("frequency_penalty"):
+            body["frequency_penalty"] = s.frequency_penalty
+        if s.HasField("presence_penalty"):
+            body["presence_penalty"] = s.presence_penalty
+        return body
+
+
+class VllmDialect(Dialect):
+    name = "vllm"
+
+    def body(self, request: pb.GenerateRequest, model_id: str, tokenizer: ModelTokenizer
+             ) -> dict[str, Any]:
+        body = self.common(request, model_id)
+        s, stop = request.sampling, request.stopping
+        if s.HasField("typical_p"):
+            raise self.refuse("typical_p", "typical sampling")
+        body.update(prompt=list(request.input_ids), return_tokens_as_token_ids=True,
+                    logprobs=request.top_n_tokens, include_stop_str_in_output=True,
+                    skip_special_tokens=request.skip_special_tokens
+                    if request.HasField("skip_special_tokens") else True)
+        if s.do_sample:
+            body["top_k"] = s.top_k if s.HasField("top_k") and s.top_k > 0 else -1
+            if s.HasField("min_p"):
+                body["min_p"] = s.min_p
+        if s.HasField("repetition_penalty"):
+            body["repetition_penalty"] = s.repetition_penalty
+        if s.logit_bias:
+            body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+        if stop.stop_sequences:
+            body["stop"] = list(stop.stop_sequences)
+        if stop.ignore_eos:
+            body["ignore_eos"] = True
+        if stop.stop_token_ids:
+            body["stop_token_ids"] = list(stop.stop_token_ids)
+        if stop.min_new_tokens:
+            body["min_tokens"] = stop.min_new_tokens
+        return body
+
+    def token_ids(self, logprobs: Optional[dict], text: str, tokenizer: ModelTokenizer
+                  ) -> list[tuple[int, float, list[pb.TopToken]]]:
+        out = []
+        if not logprobs:
+            return [(i, NAN, []) for i in tokenizer.encode(text, add_special_tokens=False)]
+        tops = logprobs.get("top_logprobs") or []
+        for k, (tok, lp) in enumerate(zip(logprobs.get("tokens") or [],
+                                          logprobs.get("token_logprobs") or [])):
+            alternatives = []
+            for alt, alt_lp in (tops[k] or {}).items() if k < len(tops) else ():
+                alt_id = _vllm_id(alt)
+                alternatives.append(pb.TopToken(id=alt_id, logprob=alt_lp,
+                                                text=tokenizer.decode([alt_id])))
+            alternatives.sort(key=lambda t: -t.logprob)
+            out.append((_vllm_id(tok), NAN if lp is None else lp, alternatives))
+        return out
+
+    def finish(self, choice: dict, eos: bool) -> "pb.FinishReason.ValueType":
+        reason = choice.get("finish_reason")
+        if reason == "length":
+            return pb.FINISH_REASON_LENGTH
+        stop_reason = choice.get("stop_reason")
+        if isinstance(stop_reason, str):
+            return pb.FINISH_REASON_STOP_SEQUENCE
+        if isinstance(stop_reason, int):
+            return pb.FINISH_REASON_STOP_TOKEN
+        return pb.FINISH_REASON_EOS_TOKEN
+
+
+def _vllm_id(token: str) -> int:
+    """vLLM's ``return_tokens_as_token_ids`` spelling, ``token_id:123``."""
+    return int(token.rsplit(":", 1)[-1])
+
+
+class LlamaCppDialect(Dialect):
+    name = "llamacpp"
+    router_stops = True
+
+    def body(self, request: pb.GenerateRequest, model_id: str, tokenizer: ModelTokenizer
+             ) -> dict[str, Any]:
+        body = self.common(request, model_id)
+        s, stop = request.sampling, request.stopping
+        if stop.ignore_eos:
+            raise self.refuse("ignore_eos", "ignoring EOS")
+        if stop.stop_token_ids:
+            raise self.refuse("stop_token_ids", "stopping on token ids")
+        if request.HasField("skip_special_tokens") and not request.skip_special_tokens:
+            raise self.refuse("skip_special_tokens", "keeping special tokens in the text")
+        if s.HasField("typical_p"):
+            raise self.refuse("typical_p", "typical sampling")
+        # llama-cpp-python's own defaults (top_k 40, top_p 0.95, min_p 0.05) would filter
+        # what kubeshard's engine leaves alone: send every warper, off unless asked for.
+        body.update(prompt=tokenizer.decode(list(request.input_ids)), top_k=0,
+                    top_p=body.get("top_p", 1.0), min_p=0.0, repeat_penalty=1.0)
+        if s.do_sample:
+            if s.HasField("top_k") and s.top_k > 0:
+                body["top_k"] = s.top_k
+            if s.HasField("min_p"):
+                body["min_p"] = s.min_p
+        if s.HasField("repetition_penalty"):
+            body["repeat_penalty"] = s.repetition_penalty
+        if s.logit_bias:
+            body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+            body["logit_bias_type"] = "input_ids"
+        if stop.min_new_tokens:
+            body["min_tokens"] = stop.min_new_tokens
+        if request.top_n_tokens:
+            body["logprobs"] = request.top_n_tokens
+        return body
+
+    def token_ids(self, logprobs: Optional[dict], text: str, tokenizer: ModelTokenizer
+                  ) -> list[tuple[int, float, list[pb.TopToken]]]:
+        # One chunk is one engine token: its id is the router's tokenization of its text.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        token_id = ids[0] if ids else 0
+        if not logprobs:
+            return [(token_id, NAN, [])]
+        lps = logprobs.get("token_logprobs") or [None]
+        tops = (logprobs.get("top_logprobs") or [None])[0] or {}
+        alternatives = []
+        for alt, alt_lp in sorted(tops.items(), key=lambda kv: -kv[1]):
+            alt_ids = tokenizer.encode(alt, add_special_tokens=False)
+            alternatives.append(pb.TopToken(id=alt_ids[0] if alt_ids else 0, logprob=alt_lp,
+                                            text=alt))
+        return [(token_id, NAN if lps[0] is None else lps[0], alternatives)]
+
+    def finish(self, choice: dict, eos: bool) -> "pb.FinishReason.ValueType":
+        if choice.get("finish_reason") == "length":
+            return pb.FINISH_REASON_LENGTH
+        return pb.FINISH_REASON_EOS_TOKEN
+
+
+DIALECTS: dict[str, Dialect] = {"vllm": VllmDialect(), "llamacpp": LlamaCppDialect()}
+
+
+def _status_code(status: int) -> grpc.StatusCode:
+    if status in (400, 422):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if status == 429:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if status in (502, 503, 504):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", "replace")[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body.get("message", body)))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:500]
+    return str(body)[:500]
+
+
+class OpenAIStream:
+    """One streamed completion. A task reads the SSE response into a queue; ``read`` takes
+    from it; ``cancel`` ends the task (closing the connection) and wakes a waiting
+    ``read`` with ``CancelledError``."""
+
+    __slots__ = ("_engine", "_request", "_timeout_s", "_queue", "_task", "_cancelled")
+
+    def __init__(self, engine: "OpenAIEngine", request: pb.GenerateRequest, timeout_s: float) -> None:
+        self._engine, self._request, self._timeout_s = engine, request, timeout_s
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task: Optional[asyncio.Task] = None
+        self._cancelled = False
+
+    async def read(self) -> Optional[pb.Token]:
+        if self._task is None:
+            if self._cancelled:
+                raise asyncio.CancelledError()
+            self._task = asyncio.create_task(self._run(), name="openai stream")
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)
+            return None
+        if isinstance(item, BaseException):
+            self._queue.put_nowait(item)
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        if self._cancelled:
+            return
+        self._cancelled = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._queue.put_nowait(asyncio.CancelledError())
+
+    async def _run(self) -> None:
+        try:
+            await self._engine.stream(self._request, self._timeout_s, self._queue.put_nowait)
+            self._queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except BackendError as exc:
+            self._queue.put_nowait(exc)
+        except Exception as exc:  # a malformed chunk, ...: the engine's fault, not retried
+            self._queue.put_nowait(BackendError(grpc.StatusCode.INTERNAL,
+                                                f"{self._engine.runtime} stream: {exc!r}"))
+
+
+class OpenAIEngine:
+    """Generations on one OpenAI-compatible engine at ``base_url`` (``kind`` "openai").
+
+    ``tokenizer`` gives the model's tokenizer when a generation starts (the model's, built
+    from the replica's Info); ``info`` the served model id and EOS ids."""
+
+    kind = "openai"
+
+    def __init__(self, base_url: str, runtime: str, info: pb.InfoResponse,
+                 tokenizer: Callable[[], Optional[ModelTokenizer]], *,
+                 connect_timeout_s: float = 5.0) -> None:
+        if runtime not in DIALECTS:
+            raise ValueError(f"runtime {runtime!r} has no HTTP dialect (known: "
+                             f"{', '.join(sorted(DIALECTS))})")
+        self.base_url = base_url.rstrip("/")
+        self.runtime = runtime
+        self.dialect = DIALECTS[runtime]
+        self.model_id = info.model_id
+        self.eos_id = info.eos_token_ids[0] if info.eos_token_ids else 0
+        self._tokenizer = tokenizer
+        self._connect_timeout_s = connect_timeout_s
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                json_serialize=lambda o: orjson.dumps(o).decode(), auto_decompress=False)
+        return self._session
+
+    def generate(self, request: pb.GenerateRequest, timeout_s: float) -> OpenAIStream:
+        return OpenAIStream(self, request, timeout_s)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def stream(self, request: pb.GenerateRequest, timeout_s: float,
+                     emit: Callable[[Any], None]) -> None:
+        """Sends ``request`` and emits its tokens (the last one with ``finish``)."""
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE, "the model's tokenizer is not loaded yet")
+        try:
+            body = self.dialect.body(request, self.model_id, tokenizer)
+        except Unsupported as exc:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
+        started = time.perf_counter_ns()
+        try:
+            async with self._client().post(f"{self.base_url}/v1/completions", json=body,
+                                           timeout=timeout) as response:
+                if response.status != 200:
+                    raw = await response.read()
+                    raise BackendError(_status_code(response.status),
+                                       f"{self.runtime} answered {response.status}: "
+                                       f"{_error_message(raw)}")
+                decoder = _Decoder(self, request, tokenizer, started, emit)
+                try:
+                    async for line in response.content:
+                        if line.startswith(b"data:"):
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                break
+                            if decoder.chunk(orjson.loads(data)):
+                                break
+                finally:
+                    if not response.content.at_eof():
+                        # finished early (a stop matched here) or cancelled: closing the
+                        # connection is how the engine learns to abort the request
+                        response.close()
+        except aiohttp.ClientConnectionError as exc:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE, f"{self.runtime} at {self.base_url}: "
+                               f"{exc}") from None
+        except TimeoutError:
+            raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"{self.runtime} gave no answer within {timeout_s:g}s") from None
+
+
+class _Decoder:
+    """SSE chunks → tokens: counts, the router's stop matching (llamacpp), the finish."""
+
+    __slots__ = ("engine", "request", "tokenizer", "started", "emit", "count", "text",
+                 "stops", "max_new", "last_id", "cumulative")
+
+    def __init__(self, engine: OpenAIEngine, request: pb.GenerateRequest,
+                 tokenizer: ModelTokenizer, started: int, emit: Callable[[Any], None]) -> None:
+        self.engine, self.request, self.tokenizer = engine, request, tokenizer
+        self.started, self.emit = started, emit
+        self.count = 0
+        self.text = ""
+        self.stops = tuple(request.stopping.stop_sequences) if engine.dialect.router_stops else ()
+        self.max_new = request.stopping.max_new_tokens
+        self.last_id = 0
+        self.cumulative = 0.0
+
+    def _finish(self, reason: "pb.FinishReason.ValueType") -> pb.FinishDetails:
+        return pb.FinishDetails(reason=reason, generated_tokens=self.count,
+                                prompt_tokens=len(self.request.input_ids),
+                                inference_time_ns=time.perf_counter_ns() - self.started,
+                                cumulative_logprob=self.cumulative)
+
+    def _token(self, token_id: int, text: str, logprob: float, tops: list) -> pb.Token:
+        token = pb.Token(id=token_id, text=text, logprob=logprob, index=self.count,
+                         top_tokens=tops)
+        self.count += 1
+        self.last_id = token_id
+        if not math.isnan(logprob):
+            self.cumulative += logprob
+        return token
+
+    def chunk(self, chunk: dict) -> bool:
+        """Emits the chunk's tokens; True when the stream is finished."""
+        choices = chunk.get("choices") or []
+        if not choices:
+            return False  # a usage-only chunk
+        choice = choices[0]
+        text = choice.get("text") or ""
+        finish = choice.get("finish_reason")
+        dialect = self.engine.dialect
+        pieces = dialect.token_ids(choice.get("logprobs"), text, self.tokenizer) if text or \
+            choice.get("logprobs") else []
+        tokens = []
+        for k, (token_id, logprob, tops) in enumerate(pieces):
+            # the chunk's text goes with its last token (the concatenation stays exact)
+            tokens.append(self._token(token_id, text if k == len(pieces) - 1 else "", logprob, tops))
+        if self.stops and tokens:
+            start = max(0, len(self.text) - max(map(len, self.stops)))
+            self.text += text
+            hit = min(((self.text.find(s, start), s) for s in self.stops if s in self.text[start:]),
+                      default=None)
+            if hit is not None:
+                end = hit[0] + len(hit[1])
+                tokens[-1].text = text[:len(text) - (len(self.text) - end)]
+                tokens[-1].finish.CopyFrom(self._finish(pb.FINISH_REASON_STOP_SEQUENCE))
+                self._send(tokens)
+                return True
+        if finish is None and tokens and self.count >= self.max_new:
+            tokens[-1].finish.CopyFrom(self._finish(pb.FINISH_REASON_LENGTH))
+            self._send(tokens)
+            return True
+        if finish is not None:
+            reason = dialect.finish(choice, eos=True)
+            if not tokens:
+                if reason == pb.FINISH_REASON_LENGTH and self.count:
+                    # the engine counted a token our derivation merged: end on an empty piece
+                    tokens.append(self._token(self.last_id, "", NAN, []))
+                else:  # EOS: the end-of-sequence token, as kubeshard's engine sends it
+                    tokens.append(self._token(self.engine.eos_id, "", NAN, []))
+                    tokens[-1].special = True
+            tokens[-1].finish.CopyFrom(self._finish(reason))
+            self._send(tokens)
+            return True
+        self._send(tokens)
+        return False
+
+    def _send(self, tokens: list[pb.Token]) -> None:
+        for token in tokens:
+            self.emit(token)
+
