@@ -18,6 +18,7 @@ from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrim
 from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIPlan,
                                             plan_chat, plan_completion)
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
+from kubeshard_router.tools import ToolStream, parse_calls
 
 if TYPE_CHECKING:
     from kubeshard_router.state import RouterState
@@ -53,6 +54,17 @@ class _Shapes:
             choice.update(extra)
         return sse_event({**self.base, "choices": [choice]})
 
+    def tool_chunk(self, calls: list[dict], first: int, index: int) -> bytes:
+        """One delta with finished calls; TGI's shape (model "tgi") is one object per delta."""
+        items = [{"index": first + k, **call} for k, call in enumerate(calls)]
+        out = b""
+        for group in ([[item] for item in items] if self.plan.tgi_shapes else [items]):
+            delta = {"role": "assistant", "content": None,
+                     "tool_calls": group[0] if self.plan.tgi_shapes else group}
+            out += sse_event({**self.base, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                        "finish_reason": None}]})
+        return out
+
     def token_logprobs(self, t: pb.Token) -> Optional[dict]:
         if self.plan.logprobs is None:
             return None
@@ -73,12 +85,26 @@ async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: Open
     shapes = _Shapes(chat, model, ctx, plan)
     trimmers: dict[int, StopTrimmer] = {}
     texts: dict[int, str] = {}
+    calls: dict[int, ToolStream] = {}
+    parse = chat and plan.tools is not None and plan.tools.parses
     left = plan.engine.n
+
+    def content(i: int, emit: str, final: bool = False) -> tuple[str, bytes]:
+        """Text to stream as content, and the tool-call deltas it closed."""
+        if not parse:
+            return emit, b""
+        stream = calls[i]
+        before = stream.calls
+        text, done = stream.feed(emit)
+        if final:
+            text += stream.finish()
+        return text, shapes.tool_chunk(done, before, i) if done else b""
     async for t in tokens:
         i = t.sequence
         out = b""
         if i not in trimmers:
             trimmers[i], texts[i] = StopTrimmer(plan.stop, plan.keep_stop), ""
+            calls[i] = ToolStream(f"call_{ctx.request_id[:16]}-{i}")
             extra = ({"prompt_logprobs": prompt_logprobs(t)} if plan.prompt_logprobs is not None and i == 0
                      and t.prefill else None)
             if chat:
@@ -94,22 +120,27 @@ async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: Open
             left -= 1
             stopped = t.finish.reason == pb.FINISH_REASON_STOP_SEQUENCE
             reason = stop_reason(t.finish, t, texts[i], plan.stop)
-            out += shapes.chunk(trimmers[i].finish(text, stopped), FINISH.get(t.finish.reason, "stop"),
-                                logprobs, i, {"stop_reason": reason} if reason is not None else None)
+            rest, tool_delta = content(i, trimmers[i].finish(text, stopped), final=True)
+            out += tool_delta
+            finish = "tool_calls" if parse and calls[i].calls else FINISH.get(t.finish.reason, "stop")
+            out += shapes.chunk(rest, finish, logprobs, i, {"stop_reason": reason} if reason is not None else None)
             if left == 0:
                 if plan.include_usage:
                     out += sse_event({**shapes.base, "choices": [],
                                       "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, t.finish)})
-                out += SSE_DONE
+                if not plan.tgi_shapes:  # the text-generation client cannot parse "[DONE]"
+                    out += SSE_DONE
         else:
-            emit = trimmers[i].feed(text)
+            emit, tool_delta = content(i, trimmers[i].feed(text))
             if emit or logprobs is not None:
                 out += shapes.chunk(emit, None, logprobs, i)
+            out += tool_delta
         if out:
             yield out
 
 
-def _choice(chat: bool, plan: OpenAIPlan, tokens: list[pb.Token], index: int, first: pb.Token) -> dict:
+def _choice(chat: bool, plan: OpenAIPlan, tokens: list[pb.Token], index: int, first: pb.Token,
+            call_id: str = "call") -> dict:
     finish = tokens[-1].finish
     raw = "".join(_text(t, plan) for t in tokens)
     text = trim_stop(raw, plan.stop, finish, plan.keep_stop)
@@ -120,8 +151,13 @@ def _choice(chat: bool, plan: OpenAIPlan, tokens: list[pb.Token], index: int, fi
         extra["stop_reason"] = why
     if chat:
         logprobs = ({"content": [chat_logprob(t) for t in tokens]} if plan.logprobs is not None else None)
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": reason, **extra}
+        message: dict = {"role": "assistant", "content": text}
+        if plan.tools is not None and plan.tools.parses:
+            message["content"], calls = parse_calls(text, f"{call_id}-{index}")
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls"
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason, **extra}
     lp = None
     if plan.logprobs is not None:
         lp = CompletionLogprobs()
@@ -142,7 +178,8 @@ def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPl
               "system_fingerprint": _fingerprint(model),
               "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, tokens[-1].finish)}
     first = next(t for t in tokens if t.sequence == 0)
-    choices = [_choice(chat, plan, seq, i, first) for i, seq in enumerate(best_sequences(tokens, plan.n))]
+    call_id = f"call_{ctx.request_id[:16]}"
+    choices = [_choice(chat, plan, seq, i, first, call_id) for i, seq in enumerate(best_sequences(tokens, plan.n))]
     if chat:
         body = {"id": "chatcmpl-" + ctx.request_id, "object": "chat.completion", **common, "choices": choices}
         if plan.prompt_logprobs is not None:

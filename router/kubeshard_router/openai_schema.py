@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kubeshard_router.engine_request import EngineRequest, GrammarRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ChatTemplateError, ModelTokenizer
+from kubeshard_router.tools import (ToolPlan, call_text, parse_tools, template_renders_tools, tool_grammar,
+                                    with_tool_prompt)
 from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, RequestBody, check_budget,
                                          check_seed, check_stop, check_token_ids, schema_doc as _doc)
 
@@ -116,6 +118,8 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -126,8 +130,10 @@ class ChatCompletionRequest(_Common):
                                                  json_schema_extra=_doc(minimum=1))
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, json_schema_extra=_doc(minimum=0, maximum=5))
-    tools: Optional[list[Any]] = Field(None, description="Not supported; must be empty.")
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[Any]] = Field(None, description="Functions the model may call (OpenAI's shape).")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="auto (default with tools), none, required, or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}} (TGI: the name alone).")
 
 
 @dataclass(slots=True)
@@ -140,6 +146,8 @@ class OpenAIPlan:
     echo: bool
     include_usage: bool
     n: int = 1               # choices returned; the engine generates engine.n >= n (best_of)
+    tools: Optional[ToolPlan] = None
+    tgi_shapes: bool = False  # TGI's stream shapes (model "tgi"): one tool_calls object per delta
     keep_stop: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     prompt_logprobs: Optional[int] = None
@@ -365,7 +373,7 @@ def plan_completion(req: CompletionRequest, tokenizer: ModelTokenizer, limits: L
     return _plan(req, engine, len(ids), text, logprobs, req.echo, n)
 
 
-def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def _message_dicts(messages: list[ChatMessage], template_source: str = "") -> list[dict[str, Any]]:
     if not messages:
         raise ValidationFailed("`messages` must not be empty", param="messages")
     out: list[dict[str, Any]] = []
@@ -383,22 +391,46 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                            f"model takes text parts only", param=f"messages[{i}].content")
                 texts.append(part.text)
             content = "".join(texts)
-        if content is None:
+        calls = _tool_calls(m.tool_calls, i) if m.role == "assistant" and m.tool_calls else []
+        if content is None and not calls:
             raise ValidationFailed(f"`messages[{i}].content` must be a string or a list of text parts",
                                    param=f"messages[{i}].content")
         entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                 "content": content}
+                                 "content": content or ""}
+        if calls:
+            if "tool_calls" in template_source:  # the template renders earlier calls itself
+                entry["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": c["function"]}
+                                       for c in calls]
+            else:
+                entry["content"] = "\n".join([content or ""] + [call_text(c["function"]["name"],
+                                                                            c["function"]["arguments"])
+                                                                  for c in calls]).strip()
         if m.name is not None:
             entry["name"] = m.name
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
         out.append(entry)
     return out
 
 
+def _tool_calls(calls: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValidationFailed(f"`messages[{i}].tool_calls[{j}]` must hold a function with a name",
+                                   param=f"messages[{i}].tool_calls")
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn = {**fn, "arguments": orjson.loads(fn["arguments"])}
+            except orjson.JSONDecodeError:
+                raise ValidationFailed(f"`messages[{i}].tool_calls[{j}].function.arguments` is not JSON",
+                                       param=f"messages[{i}].tool_calls") from None
+            calls[j] = {**c, "function": fn}
+    return calls
+
+
 def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Limits) -> OpenAIPlan:
-    if req.tools:
-        raise ValidationFailed("`tools` are not supported by kubeshard", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise ValidationFailed("`tool_choice` is not supported by kubeshard", param="tool_choice")
+    tools = parse_tools(req.tools, req.tool_choice)
     n, sequences = _sequences(req, None, limits)
     top_logprobs = req.top_logprobs
     if top_logprobs is not None:
@@ -408,9 +440,21 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
             raise ValidationFailed(f"`top_logprobs` must be >= 0 and <= {limits.max_top_n_tokens}. "
                                    f"Given: {top_logprobs}", param="top_logprobs")
     params = _common(req, limits)
-    messages = _message_dicts(req.messages)
+    source = tokenizer.template_source
+    messages = _message_dicts(req.messages, source)
+    tool_dicts = None
+    if tools is not None:
+        grammar = tool_grammar(tools)
+        if grammar is not None and params["grammar"] is not None:
+            raise ValidationFailed("`tools` with tool_choice other than none cannot be combined with another "
+                                   "structured-output constraint", param="tools")
+        params["grammar"] = params["grammar"] or grammar
+        if template_renders_tools(source):
+            tool_dicts = [f.as_tool() for f in tools.functions]
+        else:
+            messages = with_tool_prompt(messages, tools.functions)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tool_dicts)
     except ChatTemplateError as exc:
         raise ValidationFailed(f"`messages`: {exc}", param="messages") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -423,6 +467,9 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
     engine = EngineRequest(input_ids=ids, max_new_tokens=max_new, top_n_tokens=logprobs or 0,
                            prefill_details=prompt_logprobs is not None, prefill_top_n_tokens=prompt_logprobs or 0,
                            min_new_tokens=_min_tokens(req, max_new), n=sequences, **params)
-    return _plan(req, engine, len(ids), text, logprobs, False, n)
+    plan = _plan(req, engine, len(ids), text, logprobs, False, n)
+    plan.tools = tools
+    plan.tgi_shapes = req.model == "tgi"
+    return plan
 
 

@@ -15,6 +15,7 @@ from kubeshard_router import __version__
 from kubeshard_router.backends.model import ModelState
 from kubeshard_router.dispatch import RequestContext
 from kubeshard_router.http import ORJSONResponse, error_response, get_intake, get_state, json_body_doc
+from kubeshard_router.openai_render import split_sequences
 from kubeshard_router.sse import EventStreamResponse, sse_event
 from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest, TgiPlan, plan_tgi
 from kubeshard_router.tokenization import ModelTokenizer
@@ -34,14 +35,14 @@ def _top(t: pb.TopToken) -> dict:
     return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
 
 
-def _details(tokens: list[pb.Token], plan: TgiPlan) -> dict:
+def _details(tokens: list[pb.Token], plan: TgiPlan, first: pb.Token) -> dict:
     finish = tokens[-1].finish
     details = {
         "finish_reason": FINISH_REASONS.get(finish.reason, "length"),
         "generated_tokens": finish.generated_tokens or len(tokens),
         "seed": finish.seed if finish.HasField("seed") else None,
         "prefill": [{"id": p.id, "text": p.text, "logprob": p.logprob if p.HasField("logprob") else None}
-                    for p in tokens[0].prefill] if plan.decoder_input_details else [],
+                    for p in first.prefill] if plan.decoder_input_details else [],
         "tokens": [_token(t) for t in tokens],
     }
     if plan.engine.top_n_tokens:
@@ -126,11 +127,22 @@ async def _generate(request: Request, model_name: Optional[str], stream: Optiona
             headers=headers,
             late_headers=lambda: {"x-kubeshard-cache": ctx.cache},
             on_disconnect=lambda: metrics.client_disconnects.labels(model.name).inc())
-    tokens = await intake.collect(admitted)
-    text = "".join(t.text for t in tokens if not t.special)
-    answer: dict = {"generated_text": req.inputs + text if plan.return_full_text else text}
+    everything = await intake.collect(admitted)
+    first = everything[0]
+    likeliest = sorted(split_sequences(everything), key=lambda s: -s[-1].finish.cumulative_logprob)
+    best, others = (likeliest[0], likeliest[1:]) if plan.engine.n > 1 else (everything, [])
+
+    def generated(tokens: list[pb.Token]) -> str:
+        text = "".join(t.text for t in tokens if not t.special)
+        return req.inputs + text if plan.return_full_text else text
+
+    answer: dict = {"generated_text": generated(best)}
     if plan.details:
-        answer["details"] = _details(tokens, plan)
+        answer["details"] = _details(best, plan, first)
+        if plan.engine.n > 1:  # TGI's best_of: the other sequences, likeliest first
+            answer["details"]["best_of_sequences"] = [
+                {"generated_text": generated(s), **{k: v for k, v in _details(s, plan, first).items()
+                                                    if k != "top_tokens"}} for s in others]
     headers = timing_headers(ctx, model, len(req.inputs))
     return ORJSONResponse([answer] if route == "/" else answer, headers=headers)
 
@@ -178,7 +190,7 @@ def _info(request: Request, model_name: Optional[str]) -> Response:
         "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": (sum(r.info.max_concurrent_requests for r in model.ready_replicas
                                         if r.info is not None) or None),
-        "max_best_of": 1,
+        "max_best_of": limits.max_sequences if limits else 1,
         "max_stop_sequences": state.config.max_stop_sequences,
         "max_input_tokens": limits.max_input_tokens if limits else None,
         "max_total_tokens": limits.max_total_tokens if limits else None,

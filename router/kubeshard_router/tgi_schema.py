@@ -7,7 +7,9 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kubeshard_router.engine_request import EngineRequest
+import orjson
+
+from kubeshard_router.engine_request import EngineRequest, GrammarRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ModelTokenizer
 from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, RequestBody, check_budget,
@@ -17,12 +19,16 @@ from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, Request
 class GenerateParameters(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    best_of: Optional[int] = Field(None, description="Only 1 is supported.", json_schema_extra=_doc(minimum=1, maximum=1))
+    best_of: Optional[int] = Field(None, description="Generate this many sequences (sampling) and return the "
+                                   "likeliest; the others in details.best_of_sequences.",
+                                   json_schema_extra=_doc(minimum=1))
     decoder_input_details: bool = Field(False, description="Return the prompt tokens with logprobs.")
     details: bool = Field(False, description="Return generation details.")
     do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
     frequency_penalty: Optional[float] = Field(None, description="In [-2, 2].", json_schema_extra=_doc(minimum=-2, maximum=2))
-    grammar: Optional[Any] = Field(None, description="Not supported; must be null.")
+    grammar: Optional[Any] = Field(None, description='Constrain the output: {"type": "json", "value": schema}, '
+                                   '{"type": "regex", "value": "..."} or {"type": "json_schema", "value": '
+                                   '{"name": ..., "schema": schema}}.')
     max_new_tokens: Optional[int] = Field(None, description="Default: what the total-token limit leaves.",
                                           json_schema_extra=_doc(minimum=1))
     repetition_penalty: Optional[float] = Field(None, description="> 0; 1 means no penalty.",
@@ -85,18 +91,47 @@ def _unit_interval(value: Optional[float], name: str) -> Optional[float]:
     return None if value == 1.0 else value
 
 
+def tgi_grammar(grammar: Any) -> Optional[GrammarRequest]:
+    """TGI's ``grammar`` parameter as the engine's constraint."""
+    if grammar is None:
+        return None
+    if not isinstance(grammar, dict) or "type" not in grammar or "value" not in grammar:
+        raise ValidationFailed('`grammar` must be {"type": "json" | "regex" | "json_schema", "value": ...}',
+                               param="grammar")
+    kind, value = grammar["type"], grammar["value"]
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise ValidationFailed("`grammar.value` must be a regular expression (a string)", param="grammar")
+        return GrammarRequest("regex", value, "grammar")
+    if kind in ("json", "json_schema"):
+        if kind == "json_schema":
+            if not isinstance(value, dict) or "schema" not in value:
+                raise ValidationFailed('`grammar.value` must be {"name": ..., "schema": {...}} with type '
+                                       '"json_schema"', param="grammar")
+            value = value["schema"]
+        if isinstance(value, str):
+            try:
+                value = orjson.loads(value)
+            except orjson.JSONDecodeError as exc:
+                raise ValidationFailed(f"`grammar.value` is not valid JSON: {exc}", param="grammar") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValidationFailed("`grammar.value` must be a JSON schema (an object)", param="grammar")
+        return GrammarRequest("json_schema", orjson.dumps(value).decode(), "grammar")
+    raise ValidationFailed(f"`grammar.type` must be json, regex or json_schema. Given: {kind!r}", param="grammar")
+
+
 def plan_tgi(req: GenerateRequest, tokenizer: ModelTokenizer, limits: Limits, *,
              stream: bool) -> TgiPlan:
     p = req.parameters
-    if p.best_of is not None and p.best_of != 1:
-        if p.best_of <= 0:
-            raise ValidationFailed(f"`best_of` must be > 0 and <= 1. Given: {p.best_of}", param="best_of")
-        raise ValidationFailed(f"`best_of` > 1 is not supported by kubeshard (one sequence per "
-                               f"request). Given: {p.best_of}", param="best_of")
+    best_of = 1 if p.best_of is None else p.best_of
+    if not 0 < best_of <= limits.max_sequences:
+        raise ValidationFailed(f"`best_of` must be > 0 and <= {limits.max_sequences}. Given: {p.best_of}",
+                               param="best_of")
+    if best_of > 1 and stream:
+        raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens", param="best_of")
     if p.watermark:
         raise ValidationFailed("`watermark` is not supported by kubeshard", param="watermark")
-    if p.grammar is not None:
-        raise ValidationFailed("`grammar` is not supported by kubeshard", param="grammar")
+    grammar = tgi_grammar(p.grammar)
     if p.adapter_id is not None:
         raise ValidationFailed("`adapter_id` is not supported by kubeshard", param="adapter_id")
     if stream and p.decoder_input_details:
@@ -132,8 +167,10 @@ def plan_tgi(req: GenerateRequest, tokenizer: ModelTokenizer, limits: Limits, *,
     # TGI samples whenever a warper is set, even without do_sample.
     do_sample = (p.do_sample or (temperature is not None and temperature != 1.0)
                  or p.top_k is not None or top_p is not None or typical_p is not None)
+    if best_of > 1 and not do_sample:
+        raise ValidationFailed("you must use sampling when `best_of` is > 1", param="best_of")
     engine = EngineRequest(
-        input_ids=ids, max_new_tokens=max_new, do_sample=do_sample,
+        input_ids=ids, max_new_tokens=max_new, do_sample=do_sample, n=best_of, grammar=grammar,
         temperature=temperature,
         top_k=min(p.top_k, limits.vocab_size, UINT32_MAX) if p.top_k is not None else None,
         top_p=top_p, typical_p=typical_p, repetition_penalty=p.repetition_penalty,

@@ -90,6 +90,7 @@ class ModelTokenizer:
                 c for c in (_token_content(t) for t in extra) if c is not None]
         source = _pick_template(config.get("chat_template"))
         self._template: Optional[jinja2.Template] = None
+        self.template_source: str = source or ""
         if source:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True,
@@ -116,13 +117,13 @@ class ModelTokenizer:
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tokenizer.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict[str, Any]]] = None) -> str:
         if self._template is None:
             raise ChatTemplateError("the model has no chat_template (none in its chat_template.jinja, "
                                     "chat_template.json or tokenizer_config.json): use /v1/completions")
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
+            return self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:

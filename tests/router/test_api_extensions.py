@@ -1,8 +1,14 @@
-"""vLLM's request extensions, logit_bias, n and best_of on the OpenAI routes, end to end
-(router + real engine on the tiny demo model), through the `openai` client and plain HTTP:
-exact token counts, reproducible choices, and 422s that name the field."""
+"""The rest of the API, end to end (router + real engine on the tiny demo model) through the
+`openai` and `text-generation` clients and plain HTTP: vLLM's request extensions,
+logit_bias, n and best_of (exact token counts, reproducible choices, 422s that name the
+field); structured output (every constrained answer validates, constrained and free
+requests share a batch); tool calls (required, named, auto, streamed)."""
 
 from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
 
 import httpx
 import openai
@@ -17,7 +23,7 @@ NO_CACHE = {"Cache-Control": "no-cache"}
 @pytest.fixture(scope="module")
 def serve(demo_model):
     proc = start_serve(demo_model(), "--num-threads", "1", "--kv-cache-memory", "64MiB",
-                       "--max-input-tokens", "256", "--max-total-tokens", "512")
+                       "--max-input-tokens", "1024", "--max-total-tokens", "1536")
     yield proc
     proc.stop()
 
@@ -167,3 +173,174 @@ def test_streamed_n_chat_carries_every_index(serve, model):
     events = [e for e in sse(r.text) if e != "[DONE]"]
     finishes = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert sorted(finishes) == [0, 1]
+
+
+# ---- structured output -------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                       "required": ["zone"]}}}
+
+
+def test_response_format_json_schema_and_json_object_validate(client, model):
+    import jsonschema
+
+    for temperature in (0, 1.0):
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "A person, please"}], max_tokens=80,
+            temperature=temperature, seed=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                    "strict": True}})
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+        assert out.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON!"}],
+                                         max_tokens=120, temperature=0, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":  # an unbounded object may run out of tokens on a random model
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:
+        assert obj.choices[0].message.content.startswith("{")
+
+
+def test_vllm_guided_fields_on_completions(client, model):
+    import jsonschema
+
+    regex = client.completions.create(model=model, prompt="Call me at", max_tokens=30, temperature=0,
+                                      extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", regex.choices[0].text)
+    choice = client.completions.create(model=model, prompt="Sentiment:", max_tokens=10, temperature=1, seed=2,
+                                       extra_body={"guided_choice": ["positive", "negative"]})
+    assert choice.choices[0].text in ("positive", "negative")
+    js = client.completions.create(model=model, prompt="Person:", max_tokens=80, temperature=0,
+                                   extra_body={"guided_json": PERSON})
+    jsonschema.validate(json.loads(js.choices[0].text), PERSON)
+    so = client.completions.create(model=model, prompt="Person:", max_tokens=80, temperature=0,
+                                   extra_body={"structured_outputs": {"json": PERSON}})
+    assert so.choices[0].text == js.choices[0].text
+    grammar = client.completions.create(model=model, prompt="Answer:", max_tokens=10, temperature=0,
+                                        extra_body={"guided_grammar": 'root ::= "yes" | "no" | "maybe"'})
+    assert grammar.choices[0].text in ("yes", "no", "maybe")
+
+
+def test_a_bad_grammar_is_a_422_naming_its_field(serve, model):
+    r = httpx.post(serve.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": "x", "max_tokens": 4, "guided_regex": "(unclosed"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "guided_regex"
+    assert "`guided_regex`: grammar (regex) does not compile" in r.json()["error"]["message"]
+
+
+def test_constrained_and_free_requests_share_a_batch(serve, model):
+    import jsonschema
+
+    free = {"model": model, "prompt": "Free text here", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=serve.url, timeout=120, headers=NO_CACHE) as c:
+        alone = c.post("/v1/completions", json=free).json()["choices"][0]["text"]
+    bodies = [free if i % 2 else {**free, "prompt": f"Person {i}", "max_tokens": 80, "ignore_eos": False,
+                                  "guided_json": PERSON} for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: httpx.post(serve.url + "/v1/completions", json=b, timeout=120,
+                                                     headers=NO_CACHE).json(), bodies))
+    for body, answer in zip(bodies, answers):
+        text = answer["choices"][0]["text"]
+        if "guided_json" in body:
+            jsonschema.validate(json.loads(text), PERSON)
+        else:
+            assert text == alone
+
+
+def test_text_generation_client_grammar(serve):
+    import jsonschema
+    import text_generation
+    from text_generation.types import Grammar, GrammarType
+
+    client = text_generation.Client(serve.url, timeout=60)
+    out = client.generate("A person:", max_new_tokens=80, grammar=Grammar(type=GrammarType.Json, value=PERSON))
+    jsonschema.validate(json.loads(out.generated_text), PERSON)
+    rx = client.generate("Code:", max_new_tokens=10, grammar=Grammar(type=GrammarType.Regex, value="[A-Z]{3}-[0-9]{2}"))
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", rx.generated_text)
+    best = client.generate("Best of", max_new_tokens=6, best_of=3, do_sample=True)
+    assert len(best.details.best_of_sequences) == 2
+
+
+# ---- tool calls ----------------------------------------------------------------------------
+
+def _check_call(call, tools=(WEATHER, TIME)):
+    import jsonschema
+
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+
+
+def test_openai_client_tool_calls_required_named_and_streamed(client, model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    required = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
+                                              tool_choice="required", max_tokens=200, temperature=0)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _check_call(call)
+    named = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           max_tokens=80, temperature=0)
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    _check_call(call)
+    # streamed: the deltas add up to the same calls
+    stream = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
+                                            tool_choice="required", max_tokens=200, temperature=0, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    # the call and its result go back into the conversation
+    follow = client.chat.completions.create(model=model, max_tokens=8, temperature=0, tools=[WEATHER, TIME],
+                                            messages=messages + [choice.message.model_dump(exclude_none=True),
+                                                                 {"role": "tool", "tool_call_id": call.id,
+                                                                  "content": "sunny, 21 C"}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_choice_auto_answers_or_calls_validly(client, model):
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                         tools=[WEATHER], max_tokens=60, temperature=1, seed=1)
+    message = out.choices[0].message
+    for call in message.tool_calls or []:
+        _check_call(call)
+    none = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                          tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0)
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_text_generation_client_tools(serve):
+    import text_generation
+    from text_generation.types import Message, Tool
+
+    client = text_generation.Client(serve.url, timeout=60)
+    tools = [Tool(**WEATHER)]
+    out = client.chat(messages=[Message(role="user", content="Weather in Rome?")], tools=tools,
+                      tool_choice="get_weather", max_tokens=200, temperature=0.01, seed=1)
+    [call] = out.choices[0].message.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
+    streamed = list(client.chat(messages=[Message(role="user", content="Weather in Rome?")], tools=tools,
+                                tool_choice="get_weather", max_tokens=200, temperature=0.01, seed=1, stream=True))
+    deltas = [c.choices[0].delta.tool_calls for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert json.loads(deltas[0].function.arguments) == json.loads(call["function"]["arguments"]), deltas

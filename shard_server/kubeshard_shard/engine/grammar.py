@@ -36,6 +36,34 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# xgrammar 0.2.9 writes the characters of a length-bounded string (maxLength, minLength)
+# as [^"\\\r\n], which lets raw control characters into a JSON string (invalid JSON,
+# seen on the demo model); the unbounded string rule excludes \0-\x1f as JSON requires.
+_LOOSE_CHARACTER = r'[^\"\\\r\n]'
+_JSON_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(source: str):
+    """The grammar of a JSON schema: compact separators (no free whitespace a model could
+    loop on), strict (no properties the schema does not name)."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(source, any_whitespace=False, strict_mode=True))
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
+
+
+def _compact_schemas(node):
+    """A structural tag whose JSON-schema sections use ``json_schema_grammar`` (compact,
+    strict, JSON-valid strings) instead of xgrammar's default (any whitespace)."""
+    if isinstance(node, list):
+        return [_compact_schemas(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node and node.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": str(json_schema_grammar(json.dumps(node["json_schema"])))}
+    return {k: _compact_schemas(v) for k, v in node.items()}
+
+
 class GrammarCache:
     """Compiles grammars for one model's tokenizer (thread-safe: the gRPC thread compiles
     while validating a request, the engine thread makes matchers)."""
@@ -73,7 +101,7 @@ class GrammarCache:
                 raise RequestError(f"grammar: the JSON schema is not valid JSON ({exc})") from None
             if schema in ({}, True):
                 return compiler.compile_builtin_json_grammar()
-            return compiler.compile_json_schema(source, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar(source))
         if kind == "regex":
             return compiler.compile_regex(source)
         if kind == "ebnf":
@@ -81,7 +109,11 @@ class GrammarCache:
         if kind == "choice":
             return compiler.compile_grammar(_choice_ebnf(json.loads(source)))
         if kind == "structural_tag":
-            return compiler.compile_structural_tag(source)
+            try:
+                tag = json.loads(source)
+            except json.JSONDecodeError as exc:
+                raise RequestError(f"grammar: the structural tag is not valid JSON ({exc})") from None
+            return compiler.compile_structural_tag(json.dumps(_compact_schemas(tag)))
         raise RequestError(f"grammar kind {kind!r} is not supported")
 
     def compile(self, spec: GrammarSpec):
