@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-image", default=DEFAULT_SHARD_IMAGE)
     p.add_argument("--shard-image-cuda", default=DEFAULT_SHARD_IMAGE_CUDA,
                    help="image of shard pods that request GPUs")
+    p.add_argument("--shard-cache-dir", default=None, metavar="PATH",
+                   help="KUBESHARD_CACHE of shard pods: where the shard image keeps its prebuilt "
+                        "kernels (default: the image's own)")
     p.add_argument("--image-pull-policy", default="IfNotPresent",
                    choices=["Always", "IfNotPresent", "Never"])
     p.add_argument("--reconcile-interval", type=float, default=10.0,
@@ -69,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         shard_image=args.shard_image,
         shard_image_cuda=args.shard_image_cuda,
         image_pull_policy=args.image_pull_policy,
+        shard_cache_dir=args.shard_cache_dir or None,
         router_url=args.router_url or None,
         redis_url=args.redis_url or None,
         reconcile_interval=args.reconcile_interval,

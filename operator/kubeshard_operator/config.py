@@ -17,6 +17,9 @@ class OperatorConfig:
     shard_image: str = DEFAULT_SHARD_IMAGE
     shard_image_cuda: str = DEFAULT_SHARD_IMAGE_CUDA
     image_pull_policy: str = "IfNotPresent"
+    # KUBESHARD_CACHE of the shard pods: where the shard image keeps what it built ahead
+    # (the CPU decode kernel). None: the image's default ($HOME/.cache, an emptyDir).
+    shard_cache_dir: Optional[str] = None
     # Base URL of the router's Service; status.url is "<router_url>/models/<name>".
     # None: status.url is the leader Service's gRPC address.
     router_url: Optional[str] = None

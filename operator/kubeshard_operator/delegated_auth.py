@@ -30,7 +30,7 @@ import logging
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from kubeshard_operator.kube import Kube, KubeError
 
@@ -89,7 +89,7 @@ class FrontProxy:
         name = next((headers.get(h) for h in self.username_headers if headers.get(h)), None)
         if not name:
             return None
-        groups = tuple(g for h in self.group_headers for g in headers.getall(h, ()) if g)
+        groups = with_authenticated(g for h in self.group_headers for g in headers.getall(h, ()) if g)
         extra: dict[str, list[str]] = {}
         for header, value in headers.items():
             for prefix in self.extra_prefixes:
@@ -98,6 +98,14 @@ class FrontProxy:
                     extra.setdefault(key, []).append(value)
         return UserInfo(name=name, groups=groups,
                         extra=tuple(sorted((k, tuple(v)) for k, v in extra.items())))
+
+
+def with_authenticated(groups: Iterable[str]) -> tuple[str, ...]:
+    """The groups plus system:authenticated, as the Kubernetes API server adds it to every
+    authenticated user (discovery is allowed to that group: the aggregator's own discovery
+    requests name a user and no group)."""
+    out = tuple(groups)
+    return out if "system:authenticated" in out else out + ("system:authenticated",)
 
 
 def load_front_proxy(kube: Kube) -> FrontProxy:
@@ -157,7 +165,7 @@ class DelegatedAuth:
         user = None
         if status.get("authenticated"):
             u = status.get("user") or {}
-            user = UserInfo(name=u.get("username", ""), groups=tuple(u.get("groups") or ()),
+            user = UserInfo(name=u.get("username", ""), groups=with_authenticated(u.get("groups") or ()),
                             extra=tuple(sorted((k, tuple(v)) for k, v in (u.get("extra") or {}).items())),
                             uid=u.get("uid", ""))
         self._tokens.put(key, user or False)

@@ -153,6 +153,10 @@ def test_the_front_proxy_user_comes_from_the_aggregators_headers():
     user = fp.user(cert, headers)
     assert user.name == "alice" and user.groups == ("dev", "system:authenticated")
     assert user.extra == (("scopes/a", ("x",)),)
+    # The API server adds system:authenticated to every authenticated user; so do we (the
+    # aggregator's own discovery requests come with a user and no group).
+    aggregator = fp.user(cert, CIMultiDict([("X-Remote-User", "system:kube-aggregator")]))
+    assert aggregator.groups == ("system:authenticated",)
     assert fp.user({"subject": ((("commonName", "someone-else"),),)}, headers) is None
     assert fp.user(cert, CIMultiDict()) is None  # a certificate but nobody named
 
