@@ -24,6 +24,9 @@ pytestmark = pytest.mark.e2e
 
 METRICS = "/apis/custom.metrics.k8s.io/v1beta2"
 ENGINE = {"maxTotalTokens": 4096, "kvCacheMemory": "64Mi"}
+# A model's first start on a node may compile the CPU decode kernel (minutes on two busy
+# cores) when the node has no prebuilt one for this source; later starts find it.
+FIRST_START = 600
 
 # Requests from a pod: {"url", "concurrency", "requests" per worker or "seconds" to keep
 # going, "body", "headers", "stream"}; one JSON line per request, then DONE.
@@ -146,7 +149,7 @@ def test_the_custom_metrics_api_serves_the_live_concurrency(cluster, kubeshard, 
                                                             demo_model_dir):
     apply(cluster, inference_service("live", namespace, demo_model_dir, engine=ENGINE,
                                      autoscaling={"minReplicas": 1, "maxReplicas": 1}))
-    wait_phase(cluster, namespace, "live", "Ready", 1)
+    wait_phase(cluster, namespace, "live", "Ready", 1, timeout=FIRST_START)
     wait_metrics_api(cluster)
     discovery = json.loads(cluster.kubectl("get", "--raw", METRICS).stdout)
     assert {r["name"] for r in discovery["resources"]} == {
@@ -188,7 +191,7 @@ def test_the_hpa_scales_out_under_load_and_back_in(cluster, kubeshard, namespace
     apply(cluster, inference_service("elastic", namespace, demo_model_dir, engine=ENGINE,
                                      autoscaling={"minReplicas": 1, "maxReplicas": 2, "target": 2,
                                                   "scaleDownStabilizationSeconds": 15}))
-    wait_phase(cluster, namespace, "elastic", "Ready", 1)
+    wait_phase(cluster, namespace, "elastic", "Ready", 1, timeout=FIRST_START)
     wait_metrics_api(cluster)
     load = start_client(cluster, namespace, concurrency=6, seconds=600,
                         **long_stream(kubeshard.router_url, "elastic", tokens=600))
@@ -234,7 +237,7 @@ def test_idle_scales_to_zero_and_twenty_requests_at_zero_all_succeed(cluster, ku
                                                                      demo_model_dir, two_routers):
     apply(cluster, inference_service("sleepy", namespace, demo_model_dir, engine=ENGINE,
                                      autoscaling={"minReplicas": 0, "maxReplicas": 2, "idleSeconds": 10}))
-    wait_phase(cluster, namespace, "sleepy", "Ready", 1)
+    wait_phase(cluster, namespace, "sleepy", "Ready", 1, timeout=FIRST_START)
     url = f"{kubeshard.router_url}/models/sleepy/generate"
     reference = client_results(cluster, namespace, start_client(
         cluster, namespace, concurrency=1, url=url, body=GREEDY, headers=NO_CACHE))
@@ -295,7 +298,7 @@ def check_a_router_killed_while_holding_requests(cluster, kubeshard, namespace, 
 def test_autoscaling_follows_the_load_with_redis_stopped(cluster, kubeshard, namespace, demo_model_dir):
     apply(cluster, inference_service("direct", namespace, demo_model_dir, engine=ENGINE,
                                      autoscaling={"minReplicas": 1, "maxReplicas": 2, "target": 1}))
-    wait_phase(cluster, namespace, "direct", "Ready", 1)
+    wait_phase(cluster, namespace, "direct", "Ready", 1, timeout=FIRST_START)
     wait_metrics_api(cluster)
     redis = f"statefulset/{kubeshard.fullname}-redis"
     cluster.kubectl("-n", kubeshard.namespace, "scale", redis, "--replicas=0")

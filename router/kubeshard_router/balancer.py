@@ -70,14 +70,17 @@ class Balancer:
         self._rings: dict[tuple[str, ...], HashRing] = {}
         self._turn = 0
 
-    def prefix_key(self, input_ids: Sequence[int], block_size: int) -> Optional[int]:
-        """Hash of the first ``affinity_blocks`` full blocks, or None without one full block."""
+    def prefix_key(self, input_ids: Sequence[int], block_size: int,
+                   adapter: Optional[str] = None) -> Optional[int]:
+        """Hash of the first ``affinity_blocks`` full blocks (and the LoRA adapter: its KV
+        differs from the base model's), or None without one full block."""
         if self.mode != "prefix" or block_size <= 0:
             return None
         blocks = min(len(input_ids) // block_size, self.affinity_blocks)
         if blocks == 0:
             return None
-        return _hash64(array("I", input_ids[: blocks * block_size]).tobytes())
+        data = array("I", input_ids[: blocks * block_size]).tobytes()
+        return _hash64(data if adapter is None else adapter.encode() + b"\0" + data)
 
     def _ring(self, replicas: Sequence[Balanceable]) -> HashRing:
         names = tuple(sorted(r.address for r in replicas))

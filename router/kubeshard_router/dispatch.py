@@ -181,7 +181,7 @@ class Dispatcher:
         await self._admit(model, ctx)
         try:
             request = engine.to_proto(ctx.request_id)
-            key = self.balancer.prefix_key(engine.input_ids, model.block_size)
+            key = self.balancer.prefix_key(engine.input_ids, model.block_size, engine.adapter)
             flight, first = await self._open(model, request, key, [], ctx, [])
             sent = 0
             try:
@@ -202,7 +202,7 @@ class Dispatcher:
         errors: list[str] = []
         try:
             request = engine.to_proto(ctx.request_id)
-            key = self.balancer.prefix_key(engine.input_ids, model.block_size)
+            key = self.balancer.prefix_key(engine.input_ids, model.block_size, engine.adapter)
             while True:
                 flight, first = await self._open(model, request, key, tried, ctx, errors)
                 try:

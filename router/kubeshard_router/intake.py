@@ -111,6 +111,15 @@ class Intake:
             return next(iter(self.registry.models))
         return None
 
+    def resolve_adapter(self, name: Optional[str]) -> tuple[ModelState, Optional[str]]:
+        """The model and LoRA adapter a ``model`` field names: a model, or an adapter one
+        of the models serves (OpenAI/vLLM: ``model: "<adapter>"``)."""
+        if name and name not in self.registry.models and name != DEFAULT_ALIAS:
+            for model in self.registry.models.values():
+                if name in model.adapters:
+                    return model, name
+        return self.resolve(name), None
+
     def resolve(self, name: Optional[str]) -> ModelState:
         models = self.registry.models
         if name and name in models:
@@ -133,6 +142,16 @@ class Intake:
         if model.tokenizer is None or model.limits is None:
             raise NoBackend(f"model `{model.name}` has no tokenizer yet: no replica answered Info")
         return model.tokenizer, model.limits
+
+    @staticmethod
+    def _adapter(engine: EngineRequest, adapter: Optional[str], model: ModelState) -> None:
+        """The request's LoRA adapter: the one its model field named, or TGI's adapter_id."""
+        if adapter is not None:
+            engine.adapter = adapter
+        elif engine.adapter is not None and engine.adapter not in model.adapters:
+            served = ", ".join(f"`{a}`" for a in sorted(model.adapters)) or "none"
+            raise ValidationFailed(f"`adapter_id` {engine.adapter!r} is not an adapter of model `{model.name}` "
+                                   f"(adapters: {served})", param="adapter_id")
 
     async def _charge(self, key: Optional[ApiKey], request: Request, cost_tokens: int) -> Optional[str]:
         """Charges the caller's rate limits; returns the bucket name used (for refunds)."""
@@ -165,13 +184,14 @@ class Intake:
             raw = await self.read_body(request)
             t0 = time.perf_counter()
             body = parse_body(raw, body_type)
-            model = self.resolve(model_name or body.requested_model())
+            model, adapter = self.resolve_adapter(model_name or body.requested_model())
             label = model.name
             tokenizer, limits = await self.prepared(model)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             ctx = RequestContext(request_id=request_id[:128], model=model.name)
             t1 = time.perf_counter()
             planned = plan(body, tokenizer, limits)
+            self._adapter(planned.engine, adapter, model)
             ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
             ctx.prompt_tokens = planned.prompt_tokens
             ctx.grammar_field = planned.engine.grammar.field if planned.engine.grammar is not None else None

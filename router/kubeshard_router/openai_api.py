@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
+import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from kubeshard_proto import pb
 from kubeshard_router import __version__
@@ -17,8 +19,10 @@ from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrim
                                             chat_logprob, prompt_logprobs, stop_reason, trim_stop, usage)
 from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIPlan,
                                             plan_chat, plan_completion)
+from kubeshard_router.errors import NoBackend, ValidationFailed
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
 from kubeshard_router.tools import ToolStream, parse_calls
+from kubeshard_router.validation import parse_body
 
 if TYPE_CHECKING:
     from kubeshard_router.state import RouterState
@@ -229,16 +233,83 @@ def _model_card(state: "RouterState", model: ModelState) -> dict:
             "ready_replicas": len(model.ready_replicas)}
 
 
-@router.get("/models", summary="Models served by this router")
+def _adapter_card(state: "RouterState", model: ModelState, adapter: pb.AdapterInfo) -> dict:
+    return {"id": adapter.name, "object": "model", "created": int(state.started_at), "owned_by": "kubeshard",
+            "root": adapter.source, "parent": model.name, "revision": model.revision,
+            "max_model_len": model.limits.max_total_tokens if model.limits else None,
+            "ready_replicas": len(model.ready_replicas)}
+
+
+@router.get("/models", summary="Models (and their LoRA adapters) served by this router")
 async def list_models(request: Request) -> Response:
     state = get_state(request)
     state.intake.authenticate(request)
-    return ORJSONResponse({"object": "list", "data": [_model_card(state, m) for m in
-                                                     sorted(state.registry.models.values(), key=lambda m: m.name)]})
+    cards = []
+    for m in sorted(state.registry.models.values(), key=lambda m: m.name):
+        cards.append(_model_card(state, m))
+        cards.extend(_adapter_card(state, m, a) for _, a in sorted(m.adapters.items()))
+    return ORJSONResponse({"object": "list", "data": cards})
 
 
-@router.get("/models/{model:path}", summary="One model")
+@router.get("/models/{model:path}", summary="One model or adapter")
 async def get_model(request: Request, model: str) -> Response:
     state = get_state(request)
     state.intake.authenticate(request)
-    return ORJSONResponse(_model_card(state, state.intake.resolve(model)))
+    found, adapter = state.intake.resolve_adapter(model)
+    if adapter is not None:
+        return ORJSONResponse(_adapter_card(state, found, found.adapters[adapter]))
+    return ORJSONResponse(_model_card(state, found))
+
+
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(..., min_length=1, description="The name requests use (`model`, TGI `adapter_id`).")
+    lora_path: str = Field("", description="A PEFT adapter folder as the model's shard pods see it.")
+    model: Optional[str] = Field(None, description="The base model; default: the router's default model.")
+
+
+async def _each_replica(model: ModelState, call) -> None:
+    """Runs ``call(client)`` on every ready replica of ``model``; a refusal becomes a 4xx."""
+    replicas = [r for r in model.ready_replicas if hasattr(r.client, "load_adapter")]
+    if not replicas:
+        raise NoBackend(f"model `{model.name}` has no ready replica that loads LoRA adapters")
+    errors = []
+    for replica in replicas:
+        try:
+            await call(replica.client)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND) and len(replicas) > 1:
+                continue  # some replicas had it (or not) already: converge
+            errors.append((exc.code(), exc.details()))
+    if errors:
+        code, details = errors[0]
+        param = "lora_path" if code == grpc.StatusCode.INVALID_ARGUMENT else "lora_name"
+        raise ValidationFailed(f"`{param}`: {details or code.name}", param=param)
+    for replica in replicas:  # the adapters in the model's Info change: read it again
+        try:
+            await model.adopt_info(await replica.client.info())
+            replica.info = model.info
+        except grpc.aio.AioRpcError:
+            pass
+
+
+@router.post("/load_lora_adapter", summary="Load a LoRA adapter on every replica of a model (vLLM's route)")
+async def load_lora_adapter(request: Request) -> Response:
+    state = get_state(request)
+    state.intake.authenticate(request)
+    body = parse_body(await request.body(), LoadLoraRequest)
+    if not body.lora_path:
+        raise ValidationFailed("`lora_path` is required", param="lora_path")
+    model = state.intake.resolve(body.model)
+    await _each_replica(model, lambda client: client.load_adapter(body.lora_name, body.lora_path))
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+
+@router.post("/unload_lora_adapter", summary="Unload a LoRA adapter from every replica of a model")
+async def unload_lora_adapter(request: Request) -> Response:
+    state = get_state(request)
+    state.intake.authenticate(request)
+    body = parse_body(await request.body(), LoadLoraRequest)
+    model = state.intake.resolve(body.model)
+    await _each_replica(model, lambda client: client.unload_adapter(body.lora_name))
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")

@@ -50,7 +50,7 @@ class GenerateParameters(BaseModel):
     typical_p: Optional[float] = Field(None, description="In (0, 1]; implies sampling below 1.",
                                        json_schema_extra=_doc(exclusiveMinimum=0, maximum=1))
     watermark: bool = Field(False, description="Not supported; must be false.", json_schema_extra=_doc(enum=[False]))
-    adapter_id: Optional[str] = Field(None, description="Not supported; must be null.")
+    adapter_id: Optional[str] = Field(None, description="A LoRA adapter the model serves (see /v1/models).")
 
 
 class GenerateRequest(RequestBody):
@@ -132,8 +132,6 @@ def plan_tgi(req: GenerateRequest, tokenizer: ModelTokenizer, limits: Limits, *,
     if p.watermark:
         raise ValidationFailed("`watermark` is not supported by kubeshard", param="watermark")
     grammar = tgi_grammar(p.grammar)
-    if p.adapter_id is not None:
-        raise ValidationFailed("`adapter_id` is not supported by kubeshard", param="adapter_id")
     if stream and p.decoder_input_details:
         raise ValidationFailed("`decoder_input_details` == true is not supported when streaming tokens",
                                param="decoder_input_details")
@@ -171,6 +169,7 @@ def plan_tgi(req: GenerateRequest, tokenizer: ModelTokenizer, limits: Limits, *,
         raise ValidationFailed("you must use sampling when `best_of` is > 1", param="best_of")
     engine = EngineRequest(
         input_ids=ids, max_new_tokens=max_new, do_sample=do_sample, n=best_of, grammar=grammar,
+        adapter=p.adapter_id or None,
         temperature=temperature,
         top_k=min(p.top_k, limits.vocab_size, UINT32_MAX) if p.top_k is not None else None,
         top_p=top_p, typical_p=typical_p, repetition_penalty=p.repetition_penalty,

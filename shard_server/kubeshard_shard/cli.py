@@ -69,6 +69,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="CPU GEMM library (auto: oneDNN where it is faster and this CPU has the dtype's kernels)")
     g.add_argument("--no-cpu-kernels", action="store_true",
                    help="serve decode attention with torch instead of the compiled CPU kernel")
+    g.add_argument("--lora-adapter", action="append", metavar="NAME=FOLDER",
+                   help="a PEFT LoRA adapter to serve as NAME (repeatable; requests pick it by name)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="allow loading LoRA adapters at run time (LoadAdapter; the router's /v1/load_lora_adapter)")
+    g.add_argument("--max-loras", type=positive_int, default=8, help="LoRA adapters loaded at once")
+    g.add_argument("--max-lora-rank", type=positive_int, default=64, help="largest LoRA rank accepted")
 
 
 def add_group_flags(p: argparse.ArgumentParser) -> None:

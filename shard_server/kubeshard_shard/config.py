@@ -77,6 +77,11 @@ class EngineConfig:
     # which library runs the GEMMs (auto: oneDNN where it is faster and works for the dtype).
     cpu_kernels: bool = True
     cpu_gemm: str = "auto"
+    # LoRA: adapters loaded at start ((name, folder) pairs), runtime loading, slots and rank
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_concurrent_requests", "max_num_seqs", "block_size"):
@@ -98,6 +103,14 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"--cpu-gemm must be one of {', '.join(CPU_GEMMS)}; got '{self.cpu_gemm}'")
+        names = [name for name, _ in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-adapter names must be unique; got {', '.join(names)}")
+        if len(names) > self.max_loras:
+            raise ValueError(f"--lora-adapter gives {len(names)} adapters, more than --max-loras ({self.max_loras})")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
 
     @classmethod
     def from_args(cls, args: Any, model_dir: Path | None = None, model_id: str | None = None) -> "EngineConfig":
@@ -121,6 +134,10 @@ class EngineConfig:
             num_threads=args.num_threads,
             cpu_kernels=not args.no_cpu_kernels,
             cpu_gemm=args.cpu_gemm,
+            lora_adapters=tuple(parse_lora_adapter(a) for a in getattr(args, "lora_adapter", None) or ()),
+            enable_lora=getattr(args, "enable_lora", False),
+            max_loras=getattr(args, "max_loras", 8),
+            max_lora_rank=getattr(args, "max_lora_rank", 64),
         )
 
     def to_flags(self) -> list[str]:
@@ -140,7 +157,20 @@ class EngineConfig:
             out.append("--no-prefix-caching")
         if not self.cpu_kernels:
             out.append("--no-cpu-kernels")
+        for name, source in self.lora_adapters:
+            out += ["--lora-adapter", f"{name}={source}"]
+        if self.enable_lora:
+            out.append("--enable-lora")
+        out += ["--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
         return out
+
+
+def parse_lora_adapter(text: str) -> tuple[str, str]:
+    """``NAME=FOLDER`` (a PEFT LoRA adapter folder) of --lora-adapter."""
+    name, sep, source = str(text).partition("=")
+    if not sep or not name.strip() or not source.strip():
+        raise ValueError(f"--lora-adapter must be NAME=FOLDER (a PEFT adapter folder); got '{text}'")
+    return name.strip(), source.strip()
 
 
 @dataclass(frozen=True)

@@ -76,5 +76,12 @@ class ReplicaClient:
     def generate(self, request: pb.GenerateRequest, timeout_s: float) -> GrpcStream:
         return GrpcStream(self.stub.Generate(request, timeout=timeout_s))
 
+    async def load_adapter(self, name: str, source: str) -> pb.AdapterInfo:
+        return await self.stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source=source),
+                                           timeout=self._info_timeout * 6)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=self._info_timeout)
+
     async def close(self) -> None:
         await self.channel.close(grace=None)

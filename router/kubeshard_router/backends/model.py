@@ -106,6 +106,13 @@ class ModelState:
         return self.revision_hint or "unknown"
 
     @property
+    def adapters(self) -> dict[str, pb.AdapterInfo]:
+        """LoRA adapters that a ready replica (or, before any, the last Info) serves, by name."""
+        infos = [r.info for r in self.ready_replicas if r.info is not None] or \
+            ([self.info] if self.info is not None else [])
+        return {a.name: a for info in infos for a in info.adapters}
+
+    @property
     def block_size(self) -> int:
         return self.info.block_size if self.info is not None and self.info.block_size else 16
 
@@ -124,7 +131,8 @@ class ModelState:
     async def adopt_info(self, info: pb.InfoResponse) -> None:
         digest = hashlib.blake2b(info.tokenizer_json + b"\0" + info.tokenizer_config_json).digest()
         if self.tokenizer is not None and digest == self._tokenizer_digest:
-            if self.info is None or info.revision != self.info.revision:
+            if self.info is None or info.revision != self.info.revision or \
+                    [a.name for a in info.adapters] != [a.name for a in self.info.adapters]:
                 self.info = info
             return
         tokenizer = await asyncio.to_thread(ModelTokenizer, info.tokenizer_json, info.tokenizer_config_json)

@@ -78,7 +78,7 @@ class BlockManager:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= upto_tokens:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     # ---- prefix cache lookup ---------------------------------------------------------

@@ -24,7 +24,9 @@ from kubeshard_shard.engine.grammar import GrammarCache
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs, StepPlan
 from kubeshard_shard.engine.sampler import Sampler
 from kubeshard_shard.engine.scheduler import Scheduler
+from kubeshard_shard.engine.request import RequestError
 from kubeshard_shard.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from kubeshard_shard.models.lora import AdapterError
 from kubeshard_shard.tokenizer import ModelTokenizer
 
 
@@ -90,6 +92,11 @@ class EngineStats:
     comm_seconds_total: float = 0.0
     # per-lane figures when the engine drives several lanes (zero3 ranks)
     lanes: list["EngineStats"] = field(default_factory=list)
+    # LoRA: adapters of running and of waiting requests, and how many may be loaded
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    max_loras: int = 0
+    activation_cache: ActivationCacheStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -199,10 +206,28 @@ class LLMEngine:
         candidates = [s for s in self.lanes if s.load <= least + 1]
         return max(candidates, key=lambda s: (s.block_manager.count_cached_prefix(prompt_ids), -s.load, -s.index))
 
+    def check_adapter(self, name: str | None):
+        """The adapter a request names (None: the base model); RequestError when unknown."""
+        if name is None:
+            return None
+        lora = self.runner.lora
+        if lora is None:
+            raise RequestError(f"adapter {name!r}: this server serves no LoRA adapters (start it with "
+                               "--lora-adapter NAME=PATH or --enable-lora)")
+        try:
+            return lora.resolve(name)
+        except AdapterError as exc:
+            raise RequestError(str(exc)) from None
+
     def _new_sequence(self, request: _Request, lane: Lane, request_id: str, prompt_ids: list[int],
                       params: SamplingParams, index: int) -> _SequenceState:
         seq = Sequence(request_id, list(prompt_ids), params, index=index)
         seq.key = request.key
+        adapter = self.check_adapter(params.adapter)
+        if adapter is not None:
+            lora = self.runner.lora
+            seq.adapter_slot, seq.hash_root = lora.slot_of[adapter.name], adapter.hash_root
+            lora.in_use[adapter.name] = lora.in_use.get(adapter.name, 0) + 1
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer, seq.prompt_ids, self.tokenizer.special_ids,
@@ -252,7 +277,20 @@ class LLMEngine:
             state.seq.aborted = True
             state.seq.status = SequenceStatus.FINISHED
             state.lane.scheduler.remove(state.seq)
+            self._release_adapter(state.seq)
         return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter_slot and seq.params.adapter:
+            self.runner.lora.in_use[seq.params.adapter] -= 1
+
+    def adapter_load(self) -> tuple[list[str], list[str]]:
+        """Adapters of the running and of the waiting sequences (vllm:lora_requests_info)."""
+        running, waiting = set(), set()
+        for lane in self.lanes:
+            running.update(s.params.adapter for s in lane.scheduler.running if s.params.adapter)
+            waiting.update(s.params.adapter for s in lane.scheduler.waiting if s.params.adapter)
+        return sorted(running), sorted(waiting)
 
     def has_work(self) -> bool:
         return any(s.scheduler.num_unfinished for s in self.lanes)
@@ -267,6 +305,9 @@ class LLMEngine:
             setattr(total, name, sum(getattr(p, name) for p in per))
         if len(per) > 1:
             total.lanes = per
+        if self.runner.lora is not None:
+            total.running_adapters, total.waiting_adapters = self.adapter_load()
+            total.max_loras = self.runner.lora.max_loras
         return total
 
     # ---- the step ------------------------------------------------------------------
@@ -379,6 +420,7 @@ class LLMEngine:
         state.lane.scheduler.remove(seq)
         request = state.request
         request.unfinished -= 1
+        self._release_adapter(seq)
         if request.unfinished == 0 and request.forked:
             del self.requests[seq.key]
         now = time.monotonic()

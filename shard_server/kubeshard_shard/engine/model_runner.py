@@ -32,6 +32,8 @@ class StepInputs:
     # (query_start, query_len, context_len) per prefill chunk; context slots below
     prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     context_slots: list[torch.Tensor | None] = field(default_factory=list)
+    # LoRA slot of each token (None: all base model); unsharded engines only
+    lora_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,8 +51,10 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, device: torch.device, decode_kernel: Callable | None = None) -> None:
+    def __init__(self, model, cache: KVCache, device: torch.device, decode_kernel: Callable | None = None,
+                 lora=None) -> None:
         self.model = model
+        self.lora = lora  # the AdapterRegistry when LoRA is on (models.lora)
         self.cache = cache
         self.device = device
         self.decode_kernel = decode_kernel  # the compiled CPU decode attention, or None
@@ -122,6 +126,11 @@ class ModelRunner:
             prefill_chunks=chunks,
             context_slots=context_slots,
         )
+        if self.lora is not None and (any(s.adapter_slot for s in decodes)
+                                      or any(s.adapter_slot for s, _ in sched.prefills)):
+            per_token = [s.adapter_slot for s in decodes] + [s.adapter_slot for s, n in sched.prefills
+                                                               for _ in range(n)]
+            inputs.lora_slots = torch.tensor(per_token, dtype=torch.long)
         return StepPlan(inputs, sample_seqs, prompt_rows)
 
     def metadata(self, inputs: StepInputs) -> AttentionMetadata:
@@ -143,6 +152,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         attn = PagedAttention(self.cache, self.metadata(inputs), self.decode_kernel)
+        if self.lora is not None:
+            slots = inputs.lora_slots
+            self.lora.begin_step(None if slots is None else slots.to(self.device, non_blocking=True))
         hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
                             inputs.positions.to(self.device, non_blocking=True), attn)
         hidden = hidden.index_select(0, inputs.logits_indices.to(self.device, non_blocking=True))

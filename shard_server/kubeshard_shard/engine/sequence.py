@@ -107,8 +107,10 @@ class Sequence:
         self.cumulative_logprob = 0.0
         # structured output: the grammar matcher of this sequence (engine.grammar)
         self.matcher = None
-        # LoRA: the adapter's slot in the runner's adapter table (0: the base model)
+        # LoRA: the adapter's slot in the runner's adapter table (0: the base model), and the
+        # root of its block-hash chain (an adapter's KV differs from the base model's)
         self.adapter_slot = 0
+        self.hash_root: int | None = None
         # logit_bias as (ids, values) tensors, built on first use by the sampler
         self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 

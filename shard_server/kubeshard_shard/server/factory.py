@@ -19,6 +19,7 @@ from kubeshard_shard.engine.model_runner import ModelRunner
 from kubeshard_shard.engine.request import Limits
 from kubeshard_shard.models.config import ModelConfig, load_model_config
 from kubeshard_shard.models.loader import load_model
+from kubeshard_shard.models.lora import AdapterRegistry, enable_lora, load_adapter
 from kubeshard_shard.tokenizer import ModelTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,24 @@ def kv_cache_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_head
     return int(num_blocks)
 
 
+def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute) -> AdapterRegistry | None:
+    """The LoRA adapter registry (None when LoRA is off), with the start-up adapters loaded."""
+    if not (config.enable_lora or config.lora_adapters):
+        return None
+    if not isinstance(strategy, Single):
+        raise ValueError("LoRA adapters (--lora-adapter, --enable-lora) are applied by an unsharded replica only "
+                         "(--shards 1): the tensor and zero3 strategies split each projection, and the adapters' "
+                         "deltas are not split with them yet")
+    registry = AdapterRegistry(config.max_loras, config.max_lora_rank)
+    enable_lora(model, registry)
+    for name, source in config.lora_adapters:
+        adapter = load_adapter(name, source, model, compute.dtype, compute.device, config.max_lora_rank)
+        registry.add(adapter)
+        log.info("LoRA adapter %s from %s: rank %d on %s", name, source, adapter.rank,
+                 ", ".join(adapter.target_modules))
+    return registry
+
+
 def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
                        compute: Compute | None = None) -> ServedModel:
     """Loads this process's share of the model and preallocates its KV pool. A group
@@ -106,7 +125,7 @@ def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
                                                        compute.device, limits))
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
                     model_config.head_dim, compute.dtype, compute.device)
-    runner = ModelRunner(model, cache, compute.device, compute.decode_kernel)
+    runner = ModelRunner(model, cache, compute.device, compute.decode_kernel, build_lora(config, strategy, model, compute))
     lanes = [Lane.create(i, num_blocks, config.block_size, config.enable_prefix_caching, config.max_batch_tokens,
                          config.max_num_seqs) for i in range(strategy.lanes)]
     engine = LLMEngine(runner, tokenizer, lanes, strategy)

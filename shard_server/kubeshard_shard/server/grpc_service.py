@@ -23,6 +23,7 @@ from kubeshard_shard.server.factory import ServedModel
 from kubeshard_shard.engine.llm_engine import EngineStats, TokenOutput
 from kubeshard_shard.engine.request import MAX_SEQUENCES, RequestError, check_prompt, make_sampling_params
 from kubeshard_shard.engine.sequence import FinishReason, GrammarSpec, SamplingParams
+from kubeshard_shard.models.lora import AdapterError, load_adapter
 from kubeshard_shard.server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         grammar=grammar_spec(request),
         adapter=request.adapter or None,
     )
+
+
+def adapter_message(a) -> pb.AdapterInfo:
+    return pb.AdapterInfo(name=a.name, source=a.source, rank=a.rank, target_modules=a.target_modules)
 
 
 def _top(t) -> pb.TopToken:
@@ -183,6 +188,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             async for out in self.engine.generate(request.request_id, prompt, params):
                 if first is None:
+            self.served.engine.check_adapter(params.adapter)
             if params.grammar is not None:  # compiled (and cached) off the event loop; errors name the grammar
                 await asyncio.to_thread(self.served.engine.grammars.compile, params.grammar)
                     first = time.monotonic()
@@ -227,7 +233,48 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             shards=self.group.shards, vocab_size=mc.vocab_size, eos_token_ids=sorted(served.tokenizer.eos_ids),
             tokenizer_json=served.tokenizer.tokenizer_json,
             tokenizer_config_json=served.tokenizer.tokenizer_config_json, version=__version__,
-            rank_parameter_bytes=served.rank_parameter_bytes, max_sequences_per_request=MAX_SEQUENCES)
+            rank_parameter_bytes=served.rank_parameter_bytes, max_sequences_per_request=MAX_SEQUENCES,
+            adapters=[adapter_message(a) for a in self._adapters()])
+
+    def _adapters(self) -> list:
+        lora = self.served.engine.runner.lora if self.served is not None else None
+        return [lora.by_name[n] for n in lora.names()] if lora is not None else []
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext):
+        if self.served is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.not_serving_reason)
+        runner = self.served.engine.runner
+        if runner.lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this server does not load LoRA adapters: start it with --enable-lora "
+                                "(an unsharded replica)")
+        if not request.name or not request.source:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter needs a name and a source folder")
+        if request.name in runner.lora.by_name:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"adapter {request.name!r} is already loaded")
+        try:
+            adapter = await asyncio.to_thread(load_adapter, request.name, request.source, runner.model,
+                                              self.served.dtype, self.served.device, runner.lora.max_rank)
+            runner.lora.add(adapter)
+        except FileExistsError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except (AdapterError, OSError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.source, adapter.rank)
+        return adapter_message(adapter)
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
+        lora = self.served.engine.runner.lora if self.served is not None else None
+        if lora is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name!r} is not loaded")
+        try:
+            lora.remove(request.name)
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.UnloadAdapterResponse()
+
 
     async def Health(self, request, context):
         ok, reason = self.serving()

@@ -7,6 +7,7 @@ names that Kubernetes inference gateways and dashboards already read from model 
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -51,6 +52,13 @@ class _StatsCollector(Collector):
         yield counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.", s.preemptions_total)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generated_tokens_total)
 
+        if s.max_loras:
+            # vLLM's LoRA gauge that gateways read: labels name the adapters; the value is the time
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            lora.add_metric([",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)],
+                            time.time())
+            yield lora
         yield gauge("kubeshard_engine_waiting_requests", "Requests waiting to be scheduled.", s.waiting)
         yield gauge("kubeshard_engine_running_requests", "Requests in the running batch.", s.running)
         blocks = GaugeMetricFamily("kubeshard_engine_kv_blocks", "KV-cache blocks by state.",
