@@ -180,29 +180,29 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             params = sampling_params(request)
             prompt = self._prompt(request, params)
+            self.served.engine.check_adapter(params.adapter)
+            if params.grammar is not None:  # compiled (and cached) off the event loop; errors name the grammar
+                await asyncio.to_thread(self.served.engine.grammars.compile, params.grammar)
         except RequestError as exc:
             self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         first = None
         last = None
+        generated = 0
         try:
             async for out in self.engine.generate(request.request_id, prompt, params):
                 if first is None:
-            self.served.engine.check_adapter(params.adapter)
-            if params.grammar is not None:  # compiled (and cached) off the event loop; errors name the grammar
-                await asyncio.to_thread(self.served.engine.grammars.compile, params.grammar)
                     first = time.monotonic()
                 last = out
+                generated += 1
                 yield token_message(out)
         except EngineOverloaded as exc:
             self._count("overloaded")
-        generated = 0
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineUnavailable as exc:
             self._count("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except EngineFailed as exc:
-                generated += 1
             self._count("failed")
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         if self.metrics is not None and last is not None and last.done:
@@ -233,8 +233,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             shards=self.group.shards, vocab_size=mc.vocab_size, eos_token_ids=sorted(served.tokenizer.eos_ids),
             tokenizer_json=served.tokenizer.tokenizer_json,
             tokenizer_config_json=served.tokenizer.tokenizer_config_json, version=__version__,
-            rank_parameter_bytes=served.rank_parameter_bytes, max_sequences_per_request=MAX_SEQUENCES,
-            adapters=[adapter_message(a) for a in self._adapters()])
+            rank_parameter_bytes=served.rank_parameter_bytes,
+            max_sequences_per_request=MAX_SEQUENCES, adapters=[adapter_message(a) for a in self._adapters()])
 
     def _adapters(self) -> list:
         lora = self.served.engine.runner.lora if self.served is not None else None
@@ -274,7 +274,6 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.UnloadAdapterResponse()
-
 
     async def Health(self, request, context):
         ok, reason = self.serving()
