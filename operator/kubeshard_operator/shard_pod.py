@@ -16,6 +16,7 @@ from kubeshard_operator.config import OperatorConfig
 from kubeshard_operator.spec import InferenceServiceSpec
 
 MODEL_ROOT = "/models"
+ADAPTER_ROOT = "/adapters"  # spec.model.adapters[i] is mounted at ADAPTER_ROOT/NAME
 # Probe periods: a gRPC health call is cheap, so the probes ask every second. The startup
 # probe then adds at most a second to a cold start (a model woken from zero serves as soon
 # as it loaded), and readiness notices a broken group within five; the startup probe's
@@ -88,6 +89,10 @@ def shard_args(spec: InferenceServiceSpec, headless_service: str) -> list[str]:
             args += [flag, str(value)]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
+    for adapter in m.adapters:  # served at start; more through the router's /v1/load_lora_adapter
+        args += ["--lora-adapter", f"{adapter.name}={ADAPTER_ROOT}/{adapter.name}"]
+    if m.adapters:
+        args.append("--enable-lora")
     threads = cpu_threads(spec)
     if threads is not None:
         args += ["--num-threads", str(threads)]
@@ -165,6 +170,18 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     else:
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODEL_ROOT, "readOnly": True})
+    for i, adapter in enumerate(spec.model.adapters):
+        where = f"{ADAPTER_ROOT}/{adapter.name}"
+        if adapter.source.kind == "host":
+            volumes.append({"name": f"adapter-{i}", "hostPath": {"path": adapter.source.location, "type": "Directory"}})
+            mounts.append({"name": f"adapter-{i}", "mountPath": where, "readOnly": True})
+        else:
+            volumes.append({"name": f"adapter-{i}", "persistentVolumeClaim": {
+                "claimName": adapter.source.location, "readOnly": True}})
+            mount = {"name": f"adapter-{i}", "mountPath": where, "readOnly": True}
+            if adapter.source.path:
+                mount["subPath"] = adapter.source.path
+            mounts.append(mount)
     return volumes, mounts
 
 

@@ -100,6 +100,15 @@ class ModelSpec:
     revision: str
     dtype: str
     token_secret: Optional[SecretKeyRef]
+    adapters: tuple[Adapter, ...] = ()
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter served beside the model (spec.model.adapters[])."""
+
+    name: str
+    source: ModelSource  # a PVC folder or a host folder
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceS
             f"and '-', starting with a letter) of at most {MAX_NAME_LENGTH} characters"
         )
     replicas = _int(spec, "replicas", "spec.replicas", default=1, minimum=0)
-    return InferenceServiceSpec(
+    parsed = InferenceServiceSpec(
         name=name,
         namespace=namespace,
         replicas=replicas,
@@ -189,6 +198,10 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceS
         engine=_engine(_obj(spec, "engine", "spec.engine")),
         pod=_pod(_obj(spec, "pod", "spec.pod")),
     )
+    if parsed.model.adapters and parsed.sharding.shards != 1:
+        raise SpecError("spec.model.adapters are applied by the kubeshard runtime's unsharded replicas only: "
+                        "spec.sharding.shards must be 1")
+    return parsed
 
 
 def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
@@ -210,7 +223,35 @@ def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
             raise SpecError("spec.model.tokenSecretRef.name is required")
         token_ref = SecretKeyRef(name=str(token["name"]), key=str(token.get("key") or "token"))
     return ModelSpec(source=source, name=name, revision=revision or source.revision or "main",
-                     dtype=dtype, token_secret=token_ref)
+                     dtype=dtype, token_secret=token_ref, adapters=_adapters(m.get("adapters"), name))
+
+
+def _adapters(raw: Any, model_name: str) -> tuple[Adapter, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise SpecError("spec.model.adapters must be a list of {name, source}")
+    out: list[Adapter] = []
+    for i, a in enumerate(raw):
+        where = f"spec.model.adapters[{i}]"
+        if not isinstance(a, Mapping):
+            raise SpecError(f"{where} must be an object with name and source")
+        name = _str(a, "name", f"{where}.name") or ""
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+            raise SpecError(f"{where}.name {name!r} may hold only letters, digits and . _ - (at most 64)")
+        if name == model_name or any(o.name == name for o in out):
+            raise SpecError(f"{where}.name {name!r} is taken (by the model or another adapter)")
+        try:
+            source = ModelSource.parse(_str(a, "source", f"{where}.source") or "")
+        except SpecError as exc:
+            raise SpecError(str(exc).replace("spec.model.source", f"{where}.source")) from None
+        if source.kind == "hf":
+            raise SpecError(f"{where}.source: hf:// adapters are not downloaded; put the adapter folder on a "
+                            "PVC (pvc://CLAIM/PATH) or a host path")
+        out.append(Adapter(name=name, source=source))
+    if len(out) > 8:
+        raise SpecError("spec.model.adapters holds more than 8 adapters")
+    return tuple(out)
 
 
 def _sharding(s: Mapping[str, Any]) -> Sharding:

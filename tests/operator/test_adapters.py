@@ -1,0 +1,47 @@
+"""spec.model.adapters: parsed and refused with messages that name the field; each adapter
+is mounted read-only in the shard pod and served with --lora-adapter NAME=FOLDER."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubeshard_operator import builders as b
+from kubeshard_operator.spec import SpecError
+from tests.operator.factories import CFG, make_spec
+
+ADAPTERS = [{"name": "sql", "source": "pvc://loras/adapters/sql"}, {"name": "chat-v2", "source": "/srv/loras/chat"}]
+
+
+def one_shard(**model):
+    return make_spec(model={"source": "/m", **model}, sharding={"strategy": "tensor", "shards": 1})
+
+
+def test_adapters_are_mounted_and_served():
+    spec = one_shard(adapters=ADAPTERS)
+    assert [a.name for a in spec.model.adapters] == ["sql", "chat-v2"]
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--lora-adapter") + 1] == "sql=/adapters/sql"
+    assert "chat-v2=/adapters/chat-v2" in args and "--enable-lora" in args
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert volumes["adapter-0"]["persistentVolumeClaim"] == {"claimName": "loras", "readOnly": True}
+    assert mounts["adapter-0"] == {"name": "adapter-0", "mountPath": "/adapters/sql", "readOnly": True,
+                                   "subPath": "adapters/sql"}
+    assert volumes["adapter-1"]["hostPath"] == {"path": "/srv/loras/chat", "type": "Directory"}
+    # no adapters: no LoRA flags, the same pod as before
+    plain = b.build_statefulset(one_shard(), CFG, 0)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--lora-adapter" not in plain and "--enable-lora" not in plain
+
+
+@pytest.mark.parametrize("model, sharding, message", [
+    ({"adapters": ADAPTERS}, {"strategy": "tensor", "shards": 2}, "spec.sharding.shards must be 1"),
+    ({"adapters": [{"name": "x", "source": "hf://org/lora"}]}, None, "spec.model.adapters[0].source: hf://"),
+    ({"adapters": [{"name": "x", "source": "relative/path"}]}, None, "spec.model.adapters[0].source"),
+    ({"adapters": [{"name": "bad name", "source": "/a"}]}, None, "spec.model.adapters[0].name 'bad name'"),
+    ({"adapters": [{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}]}, None, "'a' is taken"),
+    ({"adapters": {"name": "a"}}, None, "spec.model.adapters must be a list"),
+])
+def test_bad_adapters_are_refused(model, sharding, message):
+    with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        make_spec(model={"source": "/m", **model}, sharding=sharding or {"strategy": "tensor", "shards": 1})
