@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 from kubeshard_operator import API_VERSION, KIND
 from kubeshard_operator import naming as n
 from kubeshard_operator.config import OperatorConfig
-from kubeshard_operator.shard_pod import pod_template
+from kubeshard_operator import engine_pod, shard_pod
 from kubeshard_operator.spec import InferenceServiceSpec
 
 
@@ -46,6 +46,14 @@ def _metadata(spec: InferenceServiceSpec, name: str, owner: Optional[Mapping[str
     return meta
 
 
+def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) -> dict[str, Any]:
+    """The pod template of a group: kubeshard's shards (its own engine, or onnx inside
+    the shard server), or a peer engine's pod (engine_pod.py)."""
+    if spec.runtime.is_peer:
+        return engine_pod.pod_template(spec, cfg, index)
+    return shard_pod.pod_template(spec, cfg, index)
+
+
 def template_hash(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
     """Identifies what the pods of a group run. Groups whose hash differs from the
     current one are replaced by the rollout. Built for group 0: the index enters the
@@ -73,7 +81,7 @@ def build_statefulset(spec: InferenceServiceSpec, cfg: OperatorConfig, index: in
             n.LABEL_HASH: digest,
         }),
         "spec": {
-            "replicas": spec.sharding.shards,
+            "replicas": spec.pods_per_group,
             "serviceName": name,
             # All ranks start at once: rank 0 waits for its peers at the rendezvous, so
             # ordered start-up would deadlock the group.

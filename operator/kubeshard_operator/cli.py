@@ -18,7 +18,8 @@ from prometheus_client import start_http_server
 
 from kubeshard_operator import __version__
 from kubeshard_operator.config import (
-    DEFAULT_SHARD_IMAGE, DEFAULT_SHARD_IMAGE_CUDA, OperatorConfig,
+    DEFAULT_LLAMACPP_IMAGE, DEFAULT_SHARD_IMAGE, DEFAULT_SHARD_IMAGE_CUDA, DEFAULT_VLLM_CPU_IMAGE,
+    DEFAULT_VLLM_IMAGE, OperatorConfig,
 )
 
 
@@ -50,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-image", default=DEFAULT_SHARD_IMAGE)
     p.add_argument("--shard-image-cuda", default=DEFAULT_SHARD_IMAGE_CUDA,
                    help="image of shard pods that request GPUs")
+    p.add_argument("--vllm-image", default=DEFAULT_VLLM_IMAGE,
+                   help="image of spec.runtime.name vllm on GPU pods")
+    p.add_argument("--vllm-cpu-image", default=DEFAULT_VLLM_CPU_IMAGE,
+                   help="image of spec.runtime.name vllm on CPU pods")
+    p.add_argument("--llamacpp-image", default=DEFAULT_LLAMACPP_IMAGE,
+                   help="image of spec.runtime.name llamacpp (llama-cpp-python's server)")
     p.add_argument("--shard-cache-dir", default=None, metavar="PATH",
                    help="KUBESHARD_CACHE of shard pods: where the shard image keeps its prebuilt "
                         "kernels (default: the image's own)")
@@ -71,6 +78,9 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     return OperatorConfig(
         shard_image=args.shard_image,
         shard_image_cuda=args.shard_image_cuda,
+        vllm_image=args.vllm_image,
+        vllm_cpu_image=args.vllm_cpu_image,
+        llamacpp_image=args.llamacpp_image,
         image_pull_policy=args.image_pull_policy,
         shard_cache_dir=args.shard_cache_dir or None,
         router_url=args.router_url or None,

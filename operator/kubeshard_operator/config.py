@@ -9,6 +9,9 @@ from kubeshard_operator import __version__
 
 DEFAULT_SHARD_IMAGE = f"ghcr.io/kubeshard/shard-server:{__version__}"
 DEFAULT_SHARD_IMAGE_CUDA = f"ghcr.io/kubeshard/shard-server:{__version__}-cuda"
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+DEFAULT_VLLM_CPU_IMAGE = "ghcr.io/kubeshard/vllm-cpu:0.32.0"
+DEFAULT_LLAMACPP_IMAGE = "ghcr.io/kubeshard/llamacpp-server:0.3.36"
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,11 @@ class OperatorConfig:
     shard_image: str = DEFAULT_SHARD_IMAGE
     shard_image_cuda: str = DEFAULT_SHARD_IMAGE_CUDA
     image_pull_policy: str = "IfNotPresent"
+    # Images of the peer engines (spec.runtime.image overrides them): vLLM on GPUs and on
+    # CPUs, and llama.cpp's server (llama-cpp-python[server]; hack/images builds it).
+    vllm_image: str = DEFAULT_VLLM_IMAGE
+    vllm_cpu_image: str = DEFAULT_VLLM_CPU_IMAGE
+    llamacpp_image: str = DEFAULT_LLAMACPP_IMAGE
     # KUBESHARD_CACHE of the shard pods: where the shard image keeps what it built ahead
     # (the CPU decode kernel). None: the image's default ($HOME/.cache, an emptyDir).
     shard_cache_dir: Optional[str] = None

@@ -89,6 +89,8 @@ def shard_args(spec: InferenceServiceSpec, headless_service: str) -> list[str]:
             args += [flag, str(value)]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
+    if spec.runtime.name == "onnx":  # ONNX Runtime GenAI inside the shard server
+        args += ["--runtime", "onnx"]
     for adapter in m.adapters:  # served at start; more through the router's /v1/load_lora_adapter
         args += ["--lora-adapter", f"{adapter.name}={ADAPTER_ROOT}/{adapter.name}"]
     if m.adapters:
@@ -242,9 +244,16 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
         "securityContext": CONTAINER_SECURITY,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    if inits:
+        pod_spec["initContainers"] = inits
+    pod_spec.update(pod_spec_overrides(spec))
+    return {"metadata": shard_labels(spec, index), "spec": pod_spec}
+
+
+def pod_spec_overrides(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The pod-level settings every group's pods share (whatever runs in them)."""
     pod_spec: dict[str, Any] = {
-        "containers": [container],
-        "volumes": volumes,
         "securityContext": POD_SECURITY,
         # Shards never call the Kubernetes API.
         "automountServiceAccountToken": False,
@@ -252,8 +261,6 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": spec.pod.termination_grace_period_seconds,
     }
-    if inits:
-        pod_spec["initContainers"] = inits
     tolerations = list(spec.pod.tolerations)
     if spec.resources.gpu > 0 and not any(
             t.get("key") == "nvidia.com/gpu" for t in tolerations):
@@ -269,6 +276,11 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
         "imagePullSecrets": [{"name": s} for s in spec.pod.image_pull_secrets] or None,
     }
     pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    return pod_spec
+
+
+def shard_labels(spec: InferenceServiceSpec, index: int) -> dict[str, Any]:
+    """The pod template's metadata: the group's labels, the user's labels and annotations."""
     labels = {
         **dict(spec.pod.labels),
         **n.common_labels(spec.name),
@@ -278,4 +290,4 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
     meta: dict[str, Any] = {"labels": labels}
     if spec.pod.annotations:
         meta["annotations"] = dict(spec.pod.annotations)
-    return {"metadata": meta, "spec": pod_spec}
+    return meta

@@ -15,6 +15,10 @@ from typing import Any, Literal, Mapping, Optional
 from kubernetes.utils import parse_quantity
 
 STRATEGIES = ("tensor", "zero3")
+# The engine of a replica: kubeshard's own, ONNX Runtime GenAI inside the shard server,
+# or a peer engine behind its OpenAI-compatible HTTP API (with kubeshard engine-info).
+RUNTIMES = ("kubeshard", "onnx", "vllm", "llamacpp")
+PEER_RUNTIMES = ("vllm", "llamacpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 METRICS = ("concurrency", "queueDepth", "tokensInFlight", "cpu")
 # Default HPA target per metric: requests in flight or queued per replica, queued requests
@@ -167,6 +171,20 @@ class PodOverrides:
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """spec.runtime: the engine, and for a peer engine its image, extra args and port."""
+
+    name: str = "kubeshard"
+    image: Optional[str] = None
+    args: tuple[str, ...] = ()
+    port: int = 8000  # the peer engine's HTTP port in the pod
+
+    @property
+    def is_peer(self) -> bool:
+        return self.name in PEER_RUNTIMES
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     name: str
     namespace: str
@@ -177,6 +195,13 @@ class InferenceServiceSpec:
     autoscaling: Optional[Autoscaling]
     engine: Engine
     pod: PodOverrides
+    runtime: Runtime = Runtime()
+
+    @property
+    def pods_per_group(self) -> int:
+        """kubeshard: one pod per shard; a peer engine shards inside its one pod (vLLM's
+        tensor-parallel size), and llama.cpp and onnx have one shard."""
+        return 1 if self.runtime.is_peer else self.sharding.shards
 
 
 def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -197,11 +222,48 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceS
         autoscaling=_autoscaling(spec.get("autoscaling")),
         engine=_engine(_obj(spec, "engine", "spec.engine")),
         pod=_pod(_obj(spec, "pod", "spec.pod")),
+        runtime=_runtime(_obj(spec, "runtime", "spec.runtime")),
     )
-    if parsed.model.adapters and parsed.sharding.shards != 1:
+    check_runtime(parsed)
+    return parsed
+
+
+def _runtime(r: Mapping[str, Any]) -> Runtime:
+    name = _enum(r, "name", "spec.runtime.name", RUNTIMES, "kubeshard")
+    args = r.get("args") or ()
+    if not isinstance(args, (list, tuple)) or not all(isinstance(a, str) for a in args):
+        raise SpecError("spec.runtime.args must be a list of strings")
+    return Runtime(name=name, image=_str(r, "image", "spec.runtime.image"), args=tuple(args),
+                   port=_int(r, "port", "spec.runtime.port", default=8000, minimum=1, maximum=65535))
+
+
+def check_runtime(spec: InferenceServiceSpec) -> None:
+    """What a runtime cannot honour (the CRD's CEL rules say the same at admission)."""
+    rt = spec.runtime.name
+    if spec.model.adapters and (rt != "kubeshard" or spec.sharding.shards != 1):
         raise SpecError("spec.model.adapters are applied by the kubeshard runtime's unsharded replicas only: "
                         "spec.sharding.shards must be 1")
-    return parsed
+    if rt == "kubeshard":
+        if spec.runtime.image or spec.runtime.args:
+            raise SpecError("spec.runtime.image and spec.runtime.args are for other runtimes; the kubeshard "
+                            "runtime takes its image from spec.pod.image")
+        return
+    if spec.sharding.strategy != "tensor":
+        raise SpecError(f"spec.sharding.strategy zero3 needs spec.runtime.name kubeshard; the {rt} runtime "
+                        "shards with tensor parallelism only")
+    if rt in ("llamacpp", "onnx") and spec.sharding.shards != 1:
+        raise SpecError(f"spec.runtime.name {rt} serves a replica from one process: spec.sharding.shards "
+                        f"must be 1, not {spec.sharding.shards}")
+    if rt == "llamacpp" and not spec.model.source.is_gguf:
+        raise SpecError("spec.runtime.name llamacpp needs a .gguf file in spec.model.source")
+    if rt == "onnx" and spec.resources.gpu > 0:
+        raise SpecError("spec.runtime.name onnx runs ONNX Runtime GenAI's CPU build: spec.resources.gpu must be 0")
+    if rt == "vllm" and spec.model.source.is_gguf:
+        raise SpecError("spec.runtime.name vllm serves a Hugging Face folder (hf://, pvc:// or a host folder), "
+                        "not a .gguf file")
+    if rt == "onnx" and (spec.runtime.image or spec.runtime.args):
+        raise SpecError("spec.runtime.image and spec.runtime.args are for peer engines; the onnx runtime "
+                        "runs in the shard server (spec.pod.image)")
 
 
 def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
