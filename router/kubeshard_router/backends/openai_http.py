@@ -14,9 +14,10 @@ the engine like a shard server. What each engine accepts and returns differs; a
   decoded; the server re-encodes them to the same tokens), one SSE chunk per generated
   token. Token ids are derived honestly: the router tokenizes each streamed piece. Stop
   sequences are matched by the router, which then cancels the engine's request (its
-  server trims them and cannot say which one matched). Logprobs are asked for only with
-  ``top_n_tokens`` (the server computes them over the whole vocabulary in Python); without
-  them a token's logprob is unknown (NaN, shown as null).
+  server trims them and cannot say which one matched). The server runs without
+  ``logits_all`` (a buffer of context x vocabulary floats, and logprobs computed over the
+  whole vocabulary in Python per token), so a token's logprob is unknown (NaN, shown as
+  null) and ``top_n_tokens`` is refused.
 
 What an engine cannot do is refused before anything is sent, as INVALID_ARGUMENT (a
 422 naming the field and the engine). HTTP failures map to the gRPC codes the dispatcher
@@ -43,6 +44,11 @@ from kubeshard_router.tokenization import ModelTokenizer
 
 NAN = float("nan")
 _END = object()
+
+
+def _f(value: float) -> float:
+    """A proto float32 as the decimal it was written as (0.7, not 0.699999988)."""
+    return float(f"{value:.7g}")
 
 
 class Unsupported(Exception):
@@ -73,16 +79,16 @@ class Dialect:
         body: dict[str, Any] = {"model": model_id, "stream": True,
                                 "max_tokens": stop.max_new_tokens}
         if s.do_sample:
-            body["temperature"] = s.temperature if s.HasField("temperature") else 1.0
-            body["top_p"] = s.top_p if s.HasField("top_p") else 1.0
+            body["temperature"] = _f(s.temperature) if s.HasField("temperature") else 1.0
+            body["top_p"] = _f(s.top_p) if s.HasField("top_p") else 1.0
             if s.HasField("seed"):
                 body["seed"] = s.seed
         else:
             body["temperature"] = 0.0
         if s.HasField("frequency_penalty"):
-            body["frequency_penalty"] = s.frequency_penalty
+            body["frequency_penalty"] = _f(s.frequency_penalty)
         if s.HasField("presence_penalty"):
-            body["presence_penalty"] = s.presence_penalty
+            body["presence_penalty"] = _f(s.presence_penalty)
         return body
 
 
@@ -102,11 +108,11 @@ class VllmDialect(Dialect):
         if s.do_sample:
             body["top_k"] = s.top_k if s.HasField("top_k") and s.top_k > 0 else -1
             if s.HasField("min_p"):
-                body["min_p"] = s.min_p
+                body["min_p"] = _f(s.min_p)
         if s.HasField("repetition_penalty"):
-            body["repetition_penalty"] = s.repetition_penalty
+            body["repetition_penalty"] = _f(s.repetition_penalty)
         if s.logit_bias:
-            body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+            body["logit_bias"] = {str(k): _f(v) for k, v in s.logit_bias.items()}
         if stop.stop_sequences:
             body["stop"] = list(stop.stop_sequences)
         if stop.ignore_eos:
@@ -167,6 +173,8 @@ class LlamaCppDialect(Dialect):
             raise self.refuse("skip_special_tokens", "keeping special tokens in the text")
         if s.HasField("typical_p"):
             raise self.refuse("typical_p", "typical sampling")
+        if request.top_n_tokens:
+            raise self.refuse("top_n_tokens", "top-n alternatives (logprobs)")
         # llama-cpp-python's own defaults (top_k 40, top_p 0.95, min_p 0.05) would filter
         # what kubeshard's engine leaves alone: send every warper, off unless asked for.
         body.update(prompt=tokenizer.decode(list(request.input_ids)), top_k=0,
@@ -175,33 +183,21 @@ class LlamaCppDialect(Dialect):
             if s.HasField("top_k") and s.top_k > 0:
                 body["top_k"] = s.top_k
             if s.HasField("min_p"):
-                body["min_p"] = s.min_p
+                body["min_p"] = _f(s.min_p)
         if s.HasField("repetition_penalty"):
-            body["repeat_penalty"] = s.repetition_penalty
+            body["repeat_penalty"] = _f(s.repetition_penalty)
         if s.logit_bias:
-            body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+            body["logit_bias"] = {str(k): _f(v) for k, v in s.logit_bias.items()}
             body["logit_bias_type"] = "input_ids"
         if stop.min_new_tokens:
             body["min_tokens"] = stop.min_new_tokens
-        if request.top_n_tokens:
-            body["logprobs"] = request.top_n_tokens
         return body
 
     def token_ids(self, logprobs: Optional[dict], text: str, tokenizer: ModelTokenizer
                   ) -> list[tuple[int, float, list[pb.TopToken]]]:
         # One chunk is one engine token: its id is the router's tokenization of its text.
         ids = tokenizer.encode(text, add_special_tokens=False)
-        token_id = ids[0] if ids else 0
-        if not logprobs:
-            return [(token_id, NAN, [])]
-        lps = logprobs.get("token_logprobs") or [None]
-        tops = (logprobs.get("top_logprobs") or [None])[0] or {}
-        alternatives = []
-        for alt, alt_lp in sorted(tops.items(), key=lambda kv: -kv[1]):
-            alt_ids = tokenizer.encode(alt, add_special_tokens=False)
-            alternatives.append(pb.TopToken(id=alt_ids[0] if alt_ids else 0, logprob=alt_lp,
-                                            text=alt))
-        return [(token_id, NAN if lps[0] is None else lps[0], alternatives)]
+        return [(ids[0] if ids else 0, NAN, [])]
 
     def finish(self, choice: dict, eos: bool) -> "pb.FinishReason.ValueType":
         if choice.get("finish_reason") == "length":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 import torch
@@ -17,6 +18,7 @@ from kubeshard_shard.engine.attention import KVCache
 from kubeshard_shard.engine.llm_engine import Lane, LLMEngine
 from kubeshard_shard.engine.model_runner import ModelRunner
 from kubeshard_shard.engine.request import Limits
+from kubeshard_shard.engine.sequence import SamplingParams
 from kubeshard_shard.models.config import ModelConfig, load_model_config
 from kubeshard_shard.models.loader import load_model
 from kubeshard_shard.models.lora import AdapterRegistry, enable_lora, load_adapter
@@ -40,6 +42,10 @@ class ServedModel:
     num_kv_blocks: int
     strategy: Strategy
     rank_parameter_bytes: list[int]
+    # the engine that generates: "kubeshard" (LLMEngine) or "onnx" (runtimes/onnx_engine.py)
+    runtime: str = "kubeshard"
+    # what this runtime refuses (RequestError naming the field), checked before a request is queued
+    check_request: Callable[[SamplingParams], None] | None = None
 
     @property
     def device(self) -> torch.device:

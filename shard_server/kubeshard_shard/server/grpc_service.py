@@ -187,6 +187,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         first = None
+            if self.served.check_request is not None:  # what this runtime cannot do
+                self.served.check_request(params)
         last = None
         generated = 0
         try:
@@ -234,7 +236,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             tokenizer_json=served.tokenizer.tokenizer_json,
             tokenizer_config_json=served.tokenizer.tokenizer_config_json, version=__version__,
             rank_parameter_bytes=served.rank_parameter_bytes,
-            max_sequences_per_request=MAX_SEQUENCES, adapters=[adapter_message(a) for a in self._adapters()])
+            max_sequences_per_request=MAX_SEQUENCES if served.runtime == "kubeshard" else 1,
+            runtime=served.runtime, adapters=[adapter_message(a) for a in self._adapters()])
 
     def _adapters(self) -> list:
         lora = self.served.engine.runner.lora if self.served is not None else None
