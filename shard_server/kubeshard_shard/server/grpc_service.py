@@ -179,6 +179,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         started = time.monotonic()
         try:
             params = sampling_params(request)
+            if self.served.check_request is not None:  # what this runtime cannot do
+                self.served.check_request(params)
             prompt = self._prompt(request, params)
             self.served.engine.check_adapter(params.adapter)
             if params.grammar is not None:  # compiled (and cached) off the event loop; errors name the grammar
@@ -187,8 +189,6 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         first = None
-            if self.served.check_request is not None:  # what this runtime cannot do
-                self.served.check_request(params)
         last = None
         generated = 0
         try:
