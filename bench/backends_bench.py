@@ -1,0 +1,174 @@
+"""What the router adds per engine: the same workload straight to each engine and through
+``kubeshard-router``.
+
+    python -m bench.backends_bench [--engines kubeshard,onnx,llamacpp,vllm] [--pairs 30]
+
+Workload: one client, streamed greedy completions of the default model (SmolLM2-135M-
+Instruct) with a fixed prompt and ``max_tokens`` 8, no response cache. *Direct*: the
+engine's own API — a peer engine's ``POST /v1/completions`` (SSE), or the gRPC Generate
+stream of a shard server (kubeshard's engine, ONNX Runtime GenAI). *Router*: ``POST
+/v1/completions`` (SSE) through the router to the same engine. Direct and router requests
+alternate, so both see the same machine; *added* is router − direct per percentile and
+the median of the per-pair differences, and the router's CPU time per request is the
+figure that does not depend on the engine's speed. Engines not built are listed as such.
+Results: bench/results/backends.json and backends.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import orjson
+import psutil
+
+from bench.common import RESULTS, percentile
+from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
+from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
+from tests.router.processes import Proc, start_router, start_shard
+from tests.support import engines
+
+MODEL_ID = "smollm2"
+PROMPT = "The capital of France is"
+TOKENS = 8
+MAX_TOTAL = 512
+
+
+def cpu_seconds(proc: Proc) -> float:
+    t = psutil.Process(proc.proc.pid).cpu_times()
+    return t.user + t.system
+
+
+def start_engine(name: str) -> tuple[list[Proc], str, str]:
+    """(processes, the router's backend address, the direct target: URL or gRPC address)."""
+    gguf = default_model_file()
+    folder = local_checkpoint(gguf)
+    if name in ("kubeshard", "onnx"):
+        flags = ["--model-id", MODEL_ID, "--max-total-tokens", str(MAX_TOTAL)]
+        if name == "onnx":
+            from kubeshard_shard.runtimes.onnx_model import exported
+
+            exported(folder)
+            flags += ["--runtime", "onnx"]
+        shard = start_shard(folder, *flags, threads=2)
+        return [shard], shard.address, shard.address
+    model = gguf if name == "llamacpp" else folder
+    engine, url = engines.start_peer(name, model, MODEL_ID, MAX_TOTAL)
+    info = engines.start_engine_info(name, model, MODEL_ID, url, MAX_TOTAL)
+    return [info, engine], info.address, url
+
+
+async def run_pairs(name: str, router: Proc, direct_target: str, ids: list[int], pairs: int) -> dict:
+    body = orjson.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                         "stream": True})
+    via = RawHTTP(router.match["host"], int(router.match["port"]))
+    headers = {"Cache-Control": "no-store"}
+    if name in ("kubeshard", "onnx"):
+        grpc_client = DirectGRPC(direct_target)
+        direct = lambda: grpc_client.generate(ids, TOKENS)  # noqa: E731
+        close = grpc_client.close
+    else:
+        host, port = direct_target.removeprefix("http://").rsplit(":", 1)
+        http = RawHTTP(host, int(port))
+        direct = lambda: http.post("/v1/completions", body)  # noqa: E731
+        close = http.close
+    routed = lambda: via.post("/v1/completions", body, headers)  # noqa: E731
+    for _ in range(3):  # warm-up: connections, the engine's first-request costs
+        await direct()
+        await routed()
+    d_samples: list[Sample] = []
+    r_samples: list[Sample] = []
+    cpu = 0.0
+    for i in range(pairs):
+        order = (direct, routed) if i % 2 == 0 else (routed, direct)
+        for f in order:
+            if f is routed:
+                c0 = cpu_seconds(router)
+                r_samples.append(await f())
+                cpu += cpu_seconds(router) - c0
+            else:
+                d_samples.append(await f())
+    await via.close()
+    await close()
+    d, r = summary_ms(d_samples), summary_ms(r_samples)
+    pair_ttft = [(b.ttft - a.ttft) * 1e3 for a, b in zip(d_samples, r_samples)]
+    pair_total = [(b.total - a.total) * 1e3 for a, b in zip(d_samples, r_samples)]
+    return {"direct": d, "router": r,
+            "added": {"ttft_p50_ms": r["ttft_p50_ms"] - d["ttft_p50_ms"],
+                      "total_p50_ms": r["total_p50_ms"] - d["total_p50_ms"],
+                      "pair_median_ttft_ms": statistics.median(pair_ttft),
+                      "pair_median_total_ms": statistics.median(pair_total),
+                      "router_cpu_ms_per_request": cpu / pairs * 1e3}}
+
+
+def bench(names: list[str], pairs: int) -> dict:
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(local_checkpoint(default_model_file()) / "tokenizer.json")).encode(PROMPT).ids
+    out: dict = {"prompt": PROMPT, "max_tokens": TOKENS, "pairs": pairs,
+                 "load_average_at_start": os.getloadavg()[0], "engines": {}}
+    for name in names:
+        why = None if name == "kubeshard" else engines.missing(name)
+        if why is not None:
+            out["engines"][name] = {"not_run": why}
+            continue
+        procs, backend, target = start_engine(name)
+        router = start_router("--backend", f"{MODEL_ID}={backend}", "--no-redis", "--log-level", "warning")
+        try:
+            started = time.perf_counter()
+            out["engines"][name] = asyncio.run(run_pairs(name, router, target, ids, pairs))
+            out["engines"][name]["seconds"] = time.perf_counter() - started
+        finally:
+            router.stop()
+            for p in procs:
+                p.stop()
+    return out
+
+
+def render(results: dict) -> str:
+    lines = ["# What the router adds per engine", "",
+             f"One client, {results['pairs']} pairs of streamed greedy completions (`max_tokens` "
+             f"{results['max_tokens']}, prompt {results['prompt']!r}) of SmolLM2-135M-Instruct, alternating "
+             "straight to the engine and through `kubeshard-router` (`POST /v1/completions`, SSE, no "
+             "cache). Direct: the peer engine's own `/v1/completions`, or a shard server's gRPC Generate. "
+             f"Load average at start: {results['load_average_at_start']:.1f} on 2 cores (a shared machine: "
+             "the engines' own times carry that noise; the router's CPU per request does not). "
+             "Reproduce: `python -m bench.backends_bench`.", "",
+             "| engine | path | TTFT p50 | TTFT p99 | stream p50 | stream p99 |", "|---|---|---|---|---|---|"]
+    added_rows = []
+    for name, r in results["engines"].items():
+        if "not_run" in r:
+            lines.append(f"| {name} | not run: {r['not_run']} | | | | |")
+            continue
+        for path in ("direct", "router"):
+            s = r[path]
+            lines.append(f"| {name} | {path} | {s['ttft_p50_ms']:.1f} ms | {s['ttft_p99_ms']:.1f} ms | "
+                         f"{s['total_p50_ms']:.1f} ms | {s['total_p99_ms']:.1f} ms |")
+        a = r["added"]
+        added_rows.append(f"| {name} | {a['ttft_p50_ms']:+.2f} ms | {a['total_p50_ms']:+.2f} ms | "
+                          f"{a['pair_median_ttft_ms']:+.2f} ms | {a['pair_median_total_ms']:+.2f} ms | "
+                          f"{a['router_cpu_ms_per_request']:.2f} ms |")
+    lines += ["", "## Added by the router", "",
+              "| engine | TTFT p50 (router − direct) | stream p50 | median of pair differences: TTFT | "
+              "stream | router CPU / request |", "|---|---|---|---|---|---|", *added_rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engines", default="kubeshard,onnx,llamacpp,vllm")
+    parser.add_argument("--pairs", type=int, default=30)
+    args = parser.parse_args()
+    results = bench(args.engines.split(","), args.pairs)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "backends.json").write_text(json.dumps(results, indent=2))
+    (RESULTS / "backends.md").write_text(render(results))
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()
