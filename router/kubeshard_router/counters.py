@@ -16,6 +16,10 @@ stops refreshing: its hash expires with the TTL and its index entry scores in th
 so the sum over live routers is the load. The operator's metrics server and its
 scale-to-zero read these (``kubeshard_operator.load`` is the reader; the key layout is
 the contract between the two).
+
+The publisher has its own connection with a timeout of a second: it runs in the
+background, so a slow moment of Redis may delay it without tripping the request path's
+circuit breaker (``RedisStore``), which would switch the response cache off meanwhile.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
 
-from kubeshard_router.redis_store import RedisStore, StoreUnavailable
+from kubeshard_router.redis_store import redact_url
 
 log = logging.getLogger("kubeshard.router.counters")
 
@@ -69,13 +76,18 @@ async def read_load(client: aioredis.Redis, model: str, revision: str) -> tuple[
 
 
 class LoadPublisher:
-    def __init__(self, store: RedisStore, router_id: str, snapshot: Callable[[], Iterable[ModelLoad]],
-                 *, interval_s: float, ttl_s: int) -> None:
-        self.store = store
+    def __init__(self, url: str, router_id: str, snapshot: Callable[[], Iterable[ModelLoad]],
+                 *, interval_s: float, ttl_s: int, timeout_s: float = 1.0) -> None:
+        self.url = url
+        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s,
+                                              socket_connect_timeout=timeout_s,
+                                              retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.router_id = router_id
         self.snapshot = snapshot
         self.interval_s = interval_s
         self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.up = True
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -86,27 +98,31 @@ class LoadPublisher:
         if not loads:
             return
         expires = time.time() + self.ttl_s
-
-        async def write(r: aioredis.Redis) -> None:
-            pipe = r.pipeline(transaction=False)
-            for load in loads:
-                key = load_key(load.model, load.revision, self.router_id)
-                pipe.hset(key, mapping=load.fields())
-                pipe.expire(key, self.ttl_s)
-                index = index_key(load.model)
-                pipe.zadd(index, {f"{load.revision}|{self.router_id}": expires})
-                pipe.zremrangebyscore(index, "-inf", time.time())
-                pipe.expire(index, self.ttl_s)
+        pipe = self.client.pipeline(transaction=False)
+        for load in loads:
+            key = load_key(load.model, load.revision, self.router_id)
+            pipe.hset(key, mapping=load.fields())
+            pipe.expire(key, self.ttl_s)
+            index = index_key(load.model)
+            pipe.zadd(index, {f"{load.revision}|{self.router_id}": expires})
+            pipe.zremrangebyscore(index, "-inf", time.time())
+            pipe.expire(index, self.ttl_s)
+        async with asyncio.timeout(self.timeout_s * 2):
             await pipe.execute()
-
-        await self.store.run("counters", write)
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.publish_once()
-            except StoreUnavailable:
-                pass
+                if not self.up:
+                    self.up = True
+                    log.info("load counters reach Redis at %s again", redact_url(self.url))
+            except (RedisError, OSError, TimeoutError) as exc:
+                if self.up:
+                    self.up = False
+                    log.warning("load counters cannot reach Redis at %s (%s: %s); the metrics "
+                                "server asks this router directly meanwhile", redact_url(self.url),
+                                type(exc).__name__, exc)
             except Exception:
                 log.exception("publishing load counters failed")
             await asyncio.sleep(self.interval_s)
@@ -118,12 +134,15 @@ class LoadPublisher:
         try:
             loads = list(self.snapshot())
             if loads:
-                async def remove(r: aioredis.Redis) -> None:
-                    pipe = r.pipeline(transaction=False)
-                    for l in loads:
-                        pipe.delete(load_key(l.model, l.revision, self.router_id))
-                        pipe.zrem(index_key(l.model), f"{l.revision}|{self.router_id}")
+                pipe = self.client.pipeline(transaction=False)
+                for l in loads:
+                    pipe.delete(load_key(l.model, l.revision, self.router_id))
+                    pipe.zrem(index_key(l.model), f"{l.revision}|{self.router_id}")
+                async with asyncio.timeout(self.timeout_s):
                     await pipe.execute()
-                await self.store.run("counters", remove)
-        except (StoreUnavailable, Exception):
+        except Exception:
+            pass
+        try:
+            await self.client.aclose()
+        except Exception:
             pass

@@ -63,7 +63,7 @@ class RouterState:
         self.ratelimiter = RateLimiter(self.store)
         self.publisher: Optional[LoadPublisher] = None
         if self.store is not None:
-            self.publisher = LoadPublisher(self.store, config.router_id, self.load_snapshot,
+            self.publisher = LoadPublisher(config.redis_url, config.router_id, self.load_snapshot,
                                            interval_s=config.counters_interval_s, ttl_s=config.counters_ttl_s)
         self.api_keys: Optional[ApiKeys] = None
         self._key_watchers: list[Union[KeyFileWatcher, SecretKeyWatcher]] = []
