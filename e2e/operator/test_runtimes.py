@@ -1,0 +1,64 @@
+"""spec.runtime on the real control plane: bad runtime specs refused at admission (the
+CRD's CEL rules, with messages naming the field), and an InferenceService whose runtime
+is llama.cpp's server becoming Ready and streaming through the router.
+
+The llama.cpp test needs the engine's environment (``hack/engines.sh llamacpp``; the
+local node's ``*/kubeshard/llamacpp-server`` image stands for it) and the local process
+node; without them it is skipped with the reason (``KUBESHARD_REQUIRE_ENGINES=1`` fails).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e.operator.conftest import apply, inference_service, isvc, kubectl_json, wait_phase
+from e2e.operator.test_operator import stream_through_router
+from kubeshard_shard.checkpoints import default_model_file
+from tests.support import engines
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"runtime": {"name": "vllm"}, "sharding": {"shards": 2, "strategy": "zero3"}},
+     "spec.sharding.strategy zero3 needs spec.runtime.name kubeshard"),
+    ({"runtime": {"name": "llamacpp"}}, "spec.runtime.name llamacpp needs a .gguf file"),
+    ({"runtime": {"name": "onnx"}, "sharding": {"shards": 2}},
+     "spec.runtime.name llamacpp and onnx serve a replica from one process"),
+    ({"runtime": {"name": "onnx"}, "resources": {"cpu": "1", "gpu": 1}}, "spec.resources.gpu must be 0"),
+    ({"runtime": {"name": "kubeshard", "image": "x"}}, "spec.runtime.image and spec.runtime.args are for"),
+    ({"runtime": {"name": "tensorrt-llm"}}, 'supported values: "kubeshard", "onnx", "vllm", "llamacpp"'),
+], ids=["zero3-on-vllm", "llamacpp-without-gguf", "onnx-sharded", "onnx-gpu", "image-on-kubeshard",
+        "unknown-runtime"])
+def test_bad_runtime_specs_are_refused_at_admission(cluster, kubeshard, namespace, spec, message,
+                                                     tmp_path):
+    body = inference_service("bad-runtime", namespace, tmp_path)
+    body["spec"].update(spec)
+    out = apply(cluster, body, check=False)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr
+    assert isvc(cluster, namespace, "bad-runtime") is None
+
+
+def test_llamacpp_runtime_becomes_ready_and_streams_through_the_router(cluster, kubeshard, namespace):
+    engines.require("llamacpp")
+    config = getattr(cluster, "local_config", None)
+    if not cluster.is_local or getattr(config, "runtime", "process") != "process":
+        pytest.skip("the llama.cpp server image stands in only on the local process node "
+                    "(KUBESHARD_NODE_RUNTIME=process); a containerd node needs a built image")
+    gguf = default_model_file()
+    apply(cluster, inference_service("llama", namespace, gguf, runtime={"name": "llamacpp"},
+                                     resources={"cpu": "1", "memory": "2Gi"},
+                                     engine={"maxTotalTokens": 512}))
+    try:
+        obj = wait_phase(cluster, namespace, "llama", "Ready", 1, timeout=300)
+        assert obj["spec"]["runtime"]["name"] == "llamacpp"
+        pod = kubectl_json(cluster, "-n", namespace, "get", "pod", "llama-g0-0")
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["engine", "engine-info"]
+        assert all(c["ready"] for c in pod["status"]["containerStatuses"])
+        events = stream_through_router(cluster, namespace,
+                                       f"{kubeshard.router_url}/models/llama/generate_stream")
+        tokens = [e for e in events if e.get("token")]
+        assert len(tokens) >= 1
+        assert "Paris" in events[-1]["generated_text"]  # greedy SmolLM2 on "The capital of France is"
+    finally:
+        cluster.kubectl("-n", namespace, "delete", "inferenceservice", "llama", "--timeout=120s",
+                        check=False, timeout=150)
