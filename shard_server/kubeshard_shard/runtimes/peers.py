@@ -77,7 +77,7 @@ def _llamacpp(python: Path, x: Launch) -> list[str]:
 def _vllm(python: Path, x: Launch) -> list[str]:
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(x.model),
             "--served-model-name", x.model_id, "--host", x.host, "--port", str(x.port),
-            "--max-model-len", str(x.max_total_tokens), "--disable-log-requests"]
+            "--max-model-len", str(x.max_total_tokens)]
 
 
 def _vllm_env(x: Launch) -> dict[str, str]:
