@@ -290,7 +290,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "preemptions_total", "generated_tokens_total", "steps_total", "ranks")
+    __slots__ = ("waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "preemptions_total", "generated_tokens_total", "steps_total", "ranks", "activation_cache")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class StatsResponse(_message.Message):
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CACHE_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_total: int
@@ -317,4 +318,39 @@ class StatsResponse(_message.Message):
     generated_tokens_total: int
     steps_total: int
     ranks: _containers.RepeatedCompositeFieldContainer[StatsResponse]
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[StatsResponse, _Mapping]]] = ...) -> None: ...
+    activation_cache: ActivationCacheStats
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[StatsResponse, _Mapping]]] = ..., activation_cache: _Optional[_Union[ActivationCacheStats, _Mapping]] = ...) -> None: ...
+
+class ActivationCacheStats(_message.Message):
+    __slots__ = ("lookups", "hits", "misses", "hit_blocks", "miss_blocks", "prefill_tokens_saved", "bytes_read", "bytes_written", "blocks_written", "rejected_entries", "redis_errors", "timeouts", "fetch_seconds_sum", "fetch_count", "redis_up")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REDIS_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    FETCH_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REDIS_UP_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    hits: int
+    misses: int
+    hit_blocks: int
+    miss_blocks: int
+    prefill_tokens_saved: int
+    bytes_read: int
+    bytes_written: int
+    blocks_written: int
+    rejected_entries: int
+    redis_errors: int
+    timeouts: int
+    fetch_seconds_sum: float
+    fetch_count: int
+    redis_up: bool
+    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., prefill_tokens_saved: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_written: _Optional[int] = ..., rejected_entries: _Optional[int] = ..., redis_errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., fetch_seconds_sum: _Optional[float] = ..., fetch_count: _Optional[int] = ..., redis_up: _Optional[bool] = ...) -> None: ...

@@ -77,6 +77,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=positive_int, default=64, help="largest LoRA rank accepted")
 
 
+def add_activation_cache_flags(p: argparse.ArgumentParser, with_url: bool) -> None:
+    g = p.add_argument_group("activation cache (KV blocks of shared prompt prefixes in Redis; on with a Redis URL)")
+    if with_url:
+        g.add_argument("--redis-url", default=os.environ.get("KUBESHARD_REDIS_URL") or None,
+                       help="Redis (or a Redis Cluster node) for the activation cache (or KUBESHARD_REDIS_URL)")
+        g.add_argument("--redis-key-model", help="the {model} part of its Redis keys (default: --model-id)")
+    g.add_argument("--no-activation-cache", action="store_true", help="do not share KV blocks through Redis")
+    g.add_argument("--activation-cache-min-hits", type=positive_int, default=2,
+                   help="prompts that must have held a prefix block before it is written")
+    g.add_argument("--activation-cache-ttl", type=positive_int, default=3600, help="entry lifetime (s)")
+    g.add_argument("--activation-cache-max-bytes", default="1GiB",
+                   help="Redis bytes per model before the oldest entries go (0: Redis's eviction only)")
+    g.add_argument("--activation-cache-timeout", type=float, default=1.0,
+                   help="longest a request waits for Redis before computing its prefix (s)")
+
+
 def add_group_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("shard group")
     g.add_argument("--strategy", default=None, choices=["tensor", "zero3"],
@@ -107,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=port_number, default=9400, help="Prometheus /metrics port (0: off)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="grace period for in-flight streams on SIGTERM")
     add_engine_flags(p)
+    add_activation_cache_flags(p, with_url=True)
     add_group_flags(p)
     g = p.add_argument_group("rendezvous (rank, world size and leader address)")
     g.add_argument("--rank", type=non_negative_int, help="this process's rank (or RANK, or the pod ordinal)")
@@ -172,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine of every replica: kubeshard's own, ONNX Runtime GenAI (in-process), "
                         "vLLM or llama.cpp's server (built once by hack/engines.sh NAME)")
     add_engine_flags(p)
+    add_activation_cache_flags(p, with_url=False)
     add_group_flags(p)
     return parser
 

@@ -58,6 +58,63 @@ class MemoryBudget:
 
 
 @dataclass(frozen=True)
+class ActivationCacheConfig:
+    """The activation cache: KV blocks of popular prompt prefixes shared through Redis.
+
+    On whenever there is a Redis URL, unless turned off. ``key_model`` is the ``{model}``
+    part of its keys (default: the served model id); on Kubernetes it is the
+    InferenceService's name, whose keys the operator's finalizer deletes."""
+
+    redis_url: str | None = None
+    enabled: bool = True
+    key_model: str | None = None
+    min_hits: int = 2            # prompts that must have held a block before it is written
+    ttl_s: int = 3600            # lifetime of an entry (and of the counters)
+    max_bytes: int | None = 1024**3  # per model; None: only Redis's own eviction
+    timeout_s: float = 1.0       # longest a request waits for Redis before it computes
+    retry_s: float = 1.0         # after a Redis failure, skip it this long
+
+    def __post_init__(self) -> None:
+        if self.min_hits < 1:
+            raise ValueError(f"--activation-cache-min-hits must be >= 1, got {self.min_hits}")
+        if self.ttl_s < 1:
+            raise ValueError(f"--activation-cache-ttl must be >= 1 second, got {self.ttl_s}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"--activation-cache-max-bytes must be positive, got {self.max_bytes}")
+        if not 0 < self.timeout_s <= 60:
+            raise ValueError(f"--activation-cache-timeout must be in (0, 60] seconds, got {self.timeout_s}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got '{self.redis_url}'")
+        if self.key_model is not None and (not self.key_model or any(c in self.key_model for c in "{}*?[]: ")):
+            raise ValueError(f"--redis-key-model must be a plain name (no braces, glob characters, colons or "
+                             f"spaces), got '{self.key_model}'")
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.redis_url is not None
+
+    @classmethod
+    def from_args(cls, args: Any, redis_url: str | None) -> "ActivationCacheConfig":
+        return cls(redis_url=redis_url, enabled=not args.no_activation_cache,
+                   key_model=getattr(args, "redis_key_model", None), min_hits=args.activation_cache_min_hits,
+                   ttl_s=args.activation_cache_ttl, max_bytes=_byte_budget(args.activation_cache_max_bytes),
+                   timeout_s=args.activation_cache_timeout)
+
+    def to_flags(self) -> list[str]:
+        """As ``serve-shard`` flags (the URL included when set)."""
+        out = ["--activation-cache-min-hits", str(self.min_hits), "--activation-cache-ttl", str(self.ttl_s),
+               "--activation-cache-max-bytes", str(self.max_bytes or 0),
+               "--activation-cache-timeout", str(self.timeout_s)]
+        if self.redis_url is not None:
+            out += ["--redis-url", self.redis_url]
+        if self.key_model is not None:
+            out += ["--redis-key-model", self.key_model]
+        if not self.enabled:
+            out.append("--no-activation-cache")
+        return out
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
     model_id: str
@@ -77,6 +134,7 @@ class EngineConfig:
     # which library runs the GEMMs (auto: oneDNN where it is faster and works for the dtype).
     cpu_kernels: bool = True
     cpu_gemm: str = "auto"
+    activations: ActivationCacheConfig = ActivationCacheConfig()
     # LoRA: adapters loaded at start ((name, folder) pairs), runtime loading, slots and rank
     lora_adapters: tuple[tuple[str, str], ...] = ()
     enable_lora: bool = False
@@ -134,6 +192,7 @@ class EngineConfig:
             num_threads=args.num_threads,
             cpu_kernels=not args.no_cpu_kernels,
             cpu_gemm=args.cpu_gemm,
+            activations=ActivationCacheConfig.from_args(args, getattr(args, "redis_url", None)),
             lora_adapters=tuple(parse_lora_adapter(a) for a in getattr(args, "lora_adapter", None) or ()),
             enable_lora=getattr(args, "enable_lora", False),
             max_loras=getattr(args, "max_loras", 8),
@@ -162,7 +221,7 @@ class EngineConfig:
         if self.enable_lora:
             out.append("--enable-lora")
         out += ["--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
-        return out
+        return out + self.activations.to_flags()
 
 
 def parse_lora_adapter(text: str) -> tuple[str, str]:
@@ -232,6 +291,16 @@ class Placement:
         return cls.resolve(args.strategy, args.shards, args.rank, args.master_addr, args.master_port,
                            args.headless_service, args.dist_timeout, args.offload,
                            os.environ if env is None else env)
+
+
+def _byte_budget(text: str) -> int | None:
+    """--activation-cache-max-bytes: a size, or 0 for none."""
+    if str(text).strip() == "0":
+        return None
+    budget = MemoryBudget.parse(text, "--activation-cache-max-bytes")
+    if budget.bytes is None:
+        raise ValueError(f"--activation-cache-max-bytes must be a size (e.g. 2GiB) or 0, got '{text}'")
+    return budget.bytes
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:

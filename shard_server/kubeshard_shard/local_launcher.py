@@ -1,7 +1,8 @@
 """``kubeshard serve``: the local launcher.
 
 Starts ``replicas`` shard groups of ``shards`` processes each (``kubeshard serve-shard``),
-an optional private Redis, and the HTTP router in front of the groups' leaders; prints
+an optional private Redis (the router's caches and the shards' activation cache), and
+the HTTP router in front of the groups' leaders; prints
 ``kubeshard ready on http://HOST:PORT`` once the router serves. Like the operator on a
 cluster, it restarts a group whose shard died (the whole group, with back-off) while
 the other groups keep serving; Ctrl-C, or the router or Redis dying, stops everything.
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kubeshard_shard.checkpoints import DEFAULT_MODEL_ID, default_model_file, local_checkpoint, served_name
@@ -303,6 +304,8 @@ def run_launcher(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         redis_url = None if args.no_redis else (args.redis_url or _start_redis(launcher))
+        # the groups share the KV blocks of popular prefixes through the same Redis (activation cache)
+        config = replace(config, activations=replace(config.activations, redis_url=redis_url))
         threads = None
         if shards > 1 and args.num_threads is None:  # ranks share this machine's cores
             threads = max(1, (os.cpu_count() or 1) // (shards * args.replicas))

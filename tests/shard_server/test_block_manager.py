@@ -102,3 +102,35 @@ def test_block_hash_is_stable_across_processes_and_machines():
     assert here == GOLDEN_CHAIN_HASH
     assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 3, 5])
     assert hash_block(None, [5, 6, 7, 8]) != here  # the parent is part of the hash
+
+
+def test_reserved_blocks_are_adopted_into_the_prefix_cache_or_released():
+    from kubeshard_shard.engine.block_manager import hash_block
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(8))
+    admit(bm, a)                                   # blocks 0, 1 cached
+    bm.free_sequence(a)
+    assert list(bm.free) == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert bm.reserve(10, keep_free=5) == [2, 3, 4]   # only what leaves 5 free
+    h0 = hash_block(None, [9, 9, 9, 9])
+    h1 = hash_block(h0, [8, 8, 8, 8])
+    assert bm.adopt([2, 3], [h0, h1]) == 2         # loaded from elsewhere: now cached, free, at the back
+    bm.release([4])                                # not loaded: plain free, at the front
+    assert list(bm.free)[:1] == [4] and list(bm.free)[-2:] == [3, 2]
+    b = seq([9, 9, 9, 9, 8, 8, 8, 8, 7], "b")
+    assert bm.find_cached_prefix(b) == [2, 3]
+    assert bm.cached_block(h1) == 3 and bm.count_cached(bm.prompt_hashes(b)) == 2
+
+
+def test_pinned_blocks_are_neither_reused_nor_evicted():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    a = seq([1, 2, 3, 4])
+    admit(bm, a)
+    bm.free_sequence(a)                            # blocks 0, 1 cached and free
+    bm.pin([0, 1])
+    assert bm.num_free_blocks == 1 and bm.num_cached_free_blocks == 0
+    c = seq([5, 6, 7, 8], "c")
+    assert not bm.allocate(c, 4)                   # only block 2 is left
+    bm.release([0, 1])
+    assert bm.num_cached_free_blocks == 2 and bm.find_cached_prefix(seq([1, 2, 3, 4, 5], "d")) == [0, 1]

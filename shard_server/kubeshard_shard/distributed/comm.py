@@ -111,6 +111,14 @@ class Comm:
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor, async_op: bool = False):
         return self._timed(dist.all_gather_into_tensor, out, local, group=self.step_group, async_op=async_op)
 
+    def all_gather_row(self, values: list[int]) -> list[list[int]]:
+        """Every rank's row of ints (rows of equal length), on every rank; a serving-loop
+        collective (short timeout)."""
+        t = torch.tensor(values, dtype=torch.long)
+        out = [torch.empty_like(t) for _ in range(self.shards)]
+        self._timed(dist.all_gather, out, t, group=self.step_group)
+        return [o.tolist() for o in out]
+
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

@@ -4,7 +4,9 @@ A step is a list of ``StepInputs``, one per lane (one for tensor parallel, one p
 rank for zero3), flattened into a single int64 tensor and broadcast after a fixed-size
 header; no pickles cross the wire. When the engine is idle the leader sends a
 heartbeat, so followers never wait longer than the step timeout unless the leader is
-gone — then they fail and exit.
+gone — then they fail and exit. A CACHE message carries the activation cache's
+``CacheOps`` (transfers between the ranks' KV pools and Redis); every rank answers it
+with one row of ints, gathered by all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import enum
 
 import torch
 
+from kubeshard_shard.activations.ops import CacheOps
 from kubeshard_shard.distributed.comm import Comm
 from kubeshard_shard.engine.model_runner import StepInputs
 
@@ -23,6 +26,7 @@ class Command(enum.IntEnum):
     STEP = 1
     HEARTBEAT = 2
     STOP = 3
+    CACHE = 4
 
 
 def encode(inputs: list[StepInputs | None]) -> torch.Tensor:
@@ -95,16 +99,22 @@ class StepChannel:
         self._send_header(Command.STEP, len(inputs), payload.numel())
         self.comm.broadcast(payload)
 
+    def send_cache(self, ops: CacheOps) -> None:
+        payload = ops.encode()
+        self._send_header(Command.CACHE, 0, payload.numel())
+        self.comm.broadcast(payload)
+
     def send_heartbeat(self) -> None:
         self._send_header(Command.HEARTBEAT, 0, 0)
 
     def send_stop(self) -> None:
         self._send_header(Command.STOP, 0, 0)
 
-    def receive(self) -> tuple[Command, list[StepInputs | None]]:
+    def receive(self) -> tuple[Command, list[StepInputs | None] | CacheOps]:
+        """The next message: a step's inputs (STEP), cache ops (CACHE), or nothing."""
         header = self.comm.broadcast(torch.zeros(HEADER, dtype=torch.long))
         command, lanes, length = Command(int(header[0])), int(header[1]), int(header[2])
-        if command is not Command.STEP:
+        if command not in (Command.STEP, Command.CACHE):
             return command, []
         payload = self.comm.broadcast(torch.zeros(length, dtype=torch.long))
-        return command, decode(payload, lanes)
+        return command, decode(payload, lanes) if command is Command.STEP else CacheOps.decode(payload)

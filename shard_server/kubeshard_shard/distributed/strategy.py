@@ -10,7 +10,9 @@ and answers every question that depends on it:
   ``lanes`` (per-rank schedulers) the leader drives, ``agree_blocks`` on one KV pool size;
 - per engine step on the leader: ``execute`` the step's inputs (one per lane), sending
   them to the other ranks first; on a follower: ``follow`` the leader's steps;
-- around the loop: ``heartbeat`` while idle, ``stop`` at the end, ``comm_seconds``.
+- around the loop: ``heartbeat`` while idle, ``stop`` at the end, ``comm_seconds``;
+- for the activation cache: ``exchange_cache`` hands the leader's ``CacheOps`` to every
+  rank's cache worker and gathers their answers (a follower answers in ``follow``).
 
 ``Single`` is a group of one. ``Tensor`` keeps each rank's slice of every weight (one
 lane; the leader samples). ``Zero3`` keeps 1/N of every layer's parameters and
@@ -24,6 +26,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from kubeshard_shard.activations.ops import COUNTERS, NOT_MINE, CacheOps
+from kubeshard_shard.activations.worker import CacheWorker
 from kubeshard_shard.config import Placement
 from kubeshard_shard.distributed.comm import Comm
 from kubeshard_shard.distributed.step_channel import Command, StepChannel, empty_inputs
@@ -52,7 +56,8 @@ class Strategy(Protocol):
     def agree_blocks(self, num_blocks: int) -> int: ...
     def parameter_bytes(self, model) -> list[int]: ...
     def execute(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits: ...
-    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool]) -> int: ...
+    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool], cache: CacheWorker | None = None) -> int: ...
+    def exchange_cache(self, ops: CacheOps, worker: CacheWorker) -> list[list[int]]: ...
     def heartbeat(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -97,8 +102,11 @@ class Single:
     def execute(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits:
         return [runner.run(inputs[0])]
 
-    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool]) -> int:
+    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool], cache: CacheWorker | None = None) -> int:
         raise RuntimeError("a group of one has no leader to follow")
+
+    def exchange_cache(self, ops: CacheOps, worker: CacheWorker) -> list[list[int]]:
+        return [worker.apply(ops)]
 
     def heartbeat(self) -> None:
         pass
@@ -133,19 +141,28 @@ class _Group:
         self.channel.send_step(inputs)
         return self.run_step(runner, inputs)
 
-    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool]) -> int:
+    def follow(self, runner: ModelRunner, should_stop: Callable[[], bool], cache: CacheWorker | None = None) -> int:
         """Executes each step the leader sends until it says stop (or, after SIGTERM,
-        until the drain deadline passes without the leader's stop)."""
+        until the drain deadline passes without the leader's stop); answers cache ops
+        with ``cache``, this rank's activation-cache worker."""
         while True:
             if should_stop():
                 log.warning("rank %d: the leader did not stop the group in time; exiting", self.rank)
                 return 0
-            command, inputs = self.channel.receive()
+            command, payload = self.channel.receive()
             if command is Command.STOP:
                 log.info("rank %d: the leader stopped the group", self.rank)
                 return 0
             if command is Command.STEP:
-                self.run_step(runner, inputs)
+                self.run_step(runner, payload)
+            elif command is Command.CACHE:
+                row = cache.apply(payload) if cache is not None else \
+                    [0] * len(COUNTERS) + [NOT_MINE] * len(payload.queries)
+                self.comm.all_gather_row(row)
+
+    def exchange_cache(self, ops: CacheOps, worker: CacheWorker) -> list[list[int]]:
+        self.channel.send_cache(ops)
+        return self.comm.all_gather_row(worker.apply(ops))
 
     def heartbeat(self) -> None:
         self.channel.send_heartbeat()

@@ -10,6 +10,9 @@ second one: torch's CPU kernels ran about 15% slower when called from a secondar
 thread than from the main one here (OpenMP team and allocator arena per thread), and
 the engine loop is the hot path. ``start`` runs the loop in a thread of its own, for
 callers that only have an event loop (tests, tools).
+
+While the only work left waits on the activation cache (a fetch from Redis, another
+rank's status), the loop sleeps until the cache's worker wakes it or its hint passes.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.stats = engine.stats()
+        engine.wake_with(self._wake.set)
 
     # ---- lifecycle ---------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -205,6 +209,10 @@ class AsyncEngine:
                             log.error("engine heartbeat failed: %s", exc)
                             self.error = exc
                             self._fail_all(EngineUnavailable(f"the shard group failed: {exc}"))
+                    continue
+                if not self.engine.ready():  # waiting on Redis or on another rank's transfer
+                    self._wake.wait(timeout=self.engine.wait_hint())
+                    self._wake.clear()
                     continue
                 last_active = time.monotonic()
                 try:

@@ -43,14 +43,38 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """The preallocated pool: per layer, K and V of shape [num_blocks * block_size, Hkv, D]."""
+    """The preallocated pool: per layer, K and V of shape [num_blocks * block_size, Hkv, D].
+
+    One tensor ``data`` [layers, 2, num_blocks * block_size, Hkv, D] holds them all
+    (``k[l]`` is ``data[l, 0]``, contiguous), so one block of every layer is a single
+    strided view: ``block(b)`` is [layers, 2, block_size, Hkv, D], the unit the
+    activation cache moves to and from Redis."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.data = torch.zeros((num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=dtype,
+                                device=device)
+        self.k = [self.data[layer, 0] for layer in range(num_layers)]
+        self.v = [self.data[layer, 1] for layer in range(num_layers)]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """K and V of every layer for one block: a view [layers, 2, block_size, Hkv, D]."""
+        bs = self.block_size
+        return self.data[:, :, block_id * bs:(block_id + 1) * bs]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy [n, layers, 2, block_size, Hkv, D] of the given blocks."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        by_block = self.data.view(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                                  self.head_dim)
+        return by_block.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -100,6 +100,21 @@ class BlockManager:
         self.prefix_hits += len(hits)
         return hits
 
+    def prompt_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of the full blocks a cached prefix of ``seq`` can cover (its last token
+        is always computed, see ``find_cached_prefix``)."""
+        self._update_hashes(seq, seq.num_tokens)
+        return seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]
+
+    def count_cached(self, hashes: list[int]) -> int:
+        """Leading entries of a hash chain present in the cache (no side effects)."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
     def count_cached_prefix(self, token_ids: list[int]) -> int:
         """Leading full blocks of ``token_ids`` present in the cache (no side effects)."""
         if not self.enable_prefix_caching:
@@ -143,16 +158,19 @@ class BlockManager:
             seq.num_computed_tokens = len(cached_prefix) * self.block_size
             seq.num_registered_blocks = len(cached_prefix)
         for _ in range(needed):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:  # evict the least recently used cached block
-                self._cached_free -= 1
-                if self.cached.get(block.block_hash) == block_id:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._take_free_block())
         return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict the least recently used cached block
+            self._cached_free -= 1
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Registers the blocks that the last step filled, so later prompts can share them."""
@@ -173,33 +191,61 @@ class BlockManager:
     def free_sequence(self, seq: Sequence) -> None:
         """Releases the blocks of a finished, aborted or preempted sequence. Its tail
         blocks are freed first, so they are evicted before the prefix they extend."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.block_hash is None:
-                    self.free.move_to_end(block_id, last=False)
-                else:
-                    self._cached_free += 1
+        self.release(seq.block_table)
         seq.block_table = []
         seq.num_registered_blocks = 0
 
-    def share_prompt(self, parent: Sequence, child: Sequence) -> None:
-        """Gives ``child`` (a new sequence with the same prompt) the full blocks of the
-        prompt ``parent`` has computed, by reference count (n > 1 sequences of one
-        request). The partial last block is not shared — the child recomputes those few
-        tokens itself — so no block is ever written by two sequences; at least one
-        prompt token is left for the child to compute, so its step yields logits."""
-        bs = self.block_size
-        full = min(parent.num_computed_tokens, parent.num_prompt_tokens - 1) // bs
-        full = min(full, len(parent.block_table))
-        for block_id in parent.block_table[:full]:
-            self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table[:full])
-        child.block_hashes = list(parent.block_hashes[:full])
-        child.num_computed_tokens = full * bs
-        child.num_registered_blocks = full
+    def _release_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.block_hash is None:
+                self.free.move_to_end(block_id, last=False)
+            else:
+                self._cached_free += 1
+
+    # ---- blocks held outside sequences (the activation cache) ------------------------
+    def release(self, block_ids: list[int]) -> None:
+        """Drops one reference from each block, the last first (see ``free_sequence``)."""
+        for block_id in reversed(block_ids):
+            self._release_block(block_id)
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Takes a reference on blocks (cached ones included), so that they are neither
+        reused nor evicted until ``release``: their content can be read meanwhile."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+                if block.block_hash is not None:
+                    self._cached_free -= 1
+            block.ref_count += 1
+
+    def reserve(self, n: int, keep_free: int = 0) -> list[int]:
+        """Takes up to ``n`` blocks to fill from elsewhere (a KV transfer), leaving at
+        least ``keep_free`` free; they hold one reference and no hash until ``adopt``
+        or ``release``. May return fewer blocks than asked, or none."""
+        n = max(0, min(n, len(self.free) - keep_free))
+        return [self._take_free_block() for _ in range(n)]
+
+    def adopt(self, block_ids: list[int], hashes: list[int]) -> int:
+        """Registers reserved blocks that now hold the content of ``hashes`` (a chain,
+        in order) in the prefix cache, then releases them; returns how many were new
+        (a hash already cached keeps its block, and the copy goes back as plain free)."""
+        added = 0
+        if self.enable_prefix_caching:
+            for block_id, h in zip(block_ids, hashes):
+                if h not in self.cached:
+                    self.blocks[block_id].block_hash = h
+                    self.cached[h] = block_id
+                    added += 1
+        self.release(block_ids)
+        return added
+
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block that caches the content named by ``block_hash``, if any."""
+        return self.cached.get(block_hash)
 
     def share_prompt(self, parent: Sequence, child: Sequence) -> None:
         """Gives ``child`` (a new sequence with the same prompt) the full blocks of the

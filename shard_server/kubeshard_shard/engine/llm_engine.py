@@ -8,16 +8,22 @@ single process or a tensor-parallel group has one lane; a zero3 group has one pe
 (data parallel), all scheduled here on the leader and executed in lockstep. How a
 step's inputs (one per lane) are computed is the ``StepExecutor``'s business: the
 group's sharding strategy, handed to the engine at construction.
+
+With an activation cache (``activations.coordinator``), a new request whose prompt
+prefix may be in Redis waits aside while its blocks are fetched, then joins its lane's
+queue and finds them in the prefix cache; the cache settles its transfers before each
+step and hears of every prompt computed, off the step itself.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
+from kubeshard_shard.activations.coordinator import ActivationCache, ActivationCacheStats
 from kubeshard_shard.engine.block_manager import BlockManager
 from kubeshard_shard.engine.detokenizer import IncrementalDetokenizer
 from kubeshard_shard.engine.grammar import GrammarCache
@@ -172,8 +178,9 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: ModelTokenizer, lanes: list[Lane],
-                 executor: StepExecutor) -> None:
+                 executor: StepExecutor, cache: ActivationCache | None = None) -> None:
         self.runner = runner
+        self.cache = cache
         self.tokenizer = tokenizer
         self.lanes = lanes
         self.executor = executor
@@ -202,9 +209,10 @@ class LLMEngine:
         holding the longest cached prefix of this prompt."""
         if len(self.lanes) == 1:
             return self.lanes[0]
-        least = min(s.load for s in self.lanes)
-        candidates = [s for s in self.lanes if s.load <= least + 1]
-        return max(candidates, key=lambda s: (s.block_manager.count_cached_prefix(prompt_ids), -s.load, -s.index))
+        least = min(self._load(s) for s in self.lanes)
+        candidates = [s for s in self.lanes if self._load(s) <= least + 1]
+        return max(candidates,
+                   key=lambda s: (s.block_manager.count_cached_prefix(prompt_ids), -self._load(s), -s.index))
 
     def check_adapter(self, name: str | None):
         """The adapter a request names (None: the base model); RequestError when unknown."""
@@ -251,7 +259,7 @@ class LLMEngine:
                 state.seq.prefill_top = [[] for _ in prompt_ids]
         request.forked = params.n == 1
         self.requests[key] = request
-        lane.scheduler.add(state.seq)
+        self._queue(lane, state.seq)
         return key
 
     def _fork(self, request: _Request) -> None:
@@ -267,6 +275,14 @@ class LLMEngine:
             first.lane.block_manager.share_prompt(first.seq, child.seq)
             first.lane.scheduler.add(child.seq, front=True)
 
+    def _queue(self, lane: Lane, seq: Sequence) -> None:
+        if self.cache is None or not self.cache.hold(lane, seq):
+            lane.scheduler.add(seq)
+
+    def _load(self, lane: Lane) -> int:
+        """Requests on a lane, those waiting for their prefix from Redis included."""
+        return lane.load + (self.cache.held_on(lane) if self.cache is not None else 0)
+
     def abort(self, key: int) -> bool:
         request = self.requests.pop(key, None)
         if request is None:
@@ -277,6 +293,8 @@ class LLMEngine:
             state.seq.aborted = True
             state.seq.status = SequenceStatus.FINISHED
             state.lane.scheduler.remove(state.seq)
+            if self.cache is not None:
+                self.cache.forget(state.seq)
             self._release_adapter(state.seq)
         return True
 
@@ -293,7 +311,21 @@ class LLMEngine:
         return sorted(running), sorted(waiting)
 
     def has_work(self) -> bool:
-        return any(s.scheduler.num_unfinished for s in self.lanes)
+        """Requests in flight, or activation-cache transfers not settled."""
+        return any(s.scheduler.num_unfinished for s in self.lanes) or (self.cache is not None and self.cache.busy())
+
+    def ready(self) -> bool:
+        """Whether ``step`` has something to do now (else the only work left waits on
+        Redis or on other ranks; sleep at most ``wait_hint`` seconds)."""
+        return any(s.scheduler.num_unfinished for s in self.lanes) or (self.cache is not None and self.cache.ready())
+
+    def wait_hint(self) -> float:
+        return self.cache.wait_hint() if self.cache is not None else 0.05
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        """``wake`` is called (from any thread) when background work makes ``ready`` true."""
+        if self.cache is not None:
+            self.cache.wake_with(wake)
 
     def stats(self) -> EngineStats:
         per = [lane_stats(s) for s in self.lanes]
@@ -308,12 +340,20 @@ class LLMEngine:
         if self.runner.lora is not None:
             total.running_adapters, total.waiting_adapters = self.adapter_load()
             total.max_loras = self.runner.lora.max_loras
+        if self.cache is not None:
+            total.waiting += self.cache.num_held
+            total.activation_cache = self.cache.stats()
         return total
 
     # ---- the step ------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         started = time.perf_counter()
+        if self.cache is not None:
+            if not self.ready():  # a synchronous caller: nothing to do but wait for the cache
+                self.cache.wait(self.cache.wait_hint())
+            for lane, seq in self.cache.tick():  # requests whose prefix arrived (or will not) join their lane
+                lane.scheduler.add(seq)
         scheds = [s.scheduler.schedule() for s in self.lanes]
         if all(sched.is_empty for sched in scheds):
             return []
@@ -334,8 +374,11 @@ class LLMEngine:
             seq.num_computed_tokens += 1
             bm.cache_full_blocks(seq)
         for seq, n in sched.prefills:
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
+            if self.cache is not None and before < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                self.cache.prefilled(lane, seq)
         self._record_prompt_logprobs(plan, logits)
 
         n_sample = len(plan.sample_seqs)

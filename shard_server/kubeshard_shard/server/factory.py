@@ -1,6 +1,6 @@
 """Builds a served model from an ``EngineConfig`` and a strategy: compute plan, model,
-tokenizer, limits, KV pool, engine. What is built at start lives here; what runs per
-step lives in ``engine/``."""
+tokenizer, limits, KV pool, activation cache, engine. What is built at start lives
+here; what runs per step lives in ``engine/`` (and ``activations/``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from typing import Callable
 import psutil
 import torch
 
+from kubeshard_shard.activations.coordinator import ActivationCache
+from kubeshard_shard.activations.layout import KVLayout
+from kubeshard_shard.activations.store import Budget, RedisTier, redact
+from kubeshard_shard.activations.worker import CacheWorker
 from kubeshard_shard.compute import Compute, resolve_compute
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.distributed.strategy import Single, Strategy
@@ -42,6 +46,7 @@ class ServedModel:
     num_kv_blocks: int
     strategy: Strategy
     rank_parameter_bytes: list[int]
+    cache_worker: CacheWorker | None = None  # this rank's activation-cache worker
     # the engine that generates: "kubeshard" (LLMEngine) or "onnx" (runtimes/onnx_engine.py)
     runtime: str = "kubeshard"
     # what this runtime refuses (RequestError naming the field), checked before a request is queued
@@ -113,6 +118,27 @@ def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute
     return registry
 
 
+def build_cache_worker(config: EngineConfig, model_config: ModelConfig, strategy: Strategy, cache: KVCache,
+                       dtype: torch.dtype) -> CacheWorker | None:
+    """This rank's activation-cache worker, when there is a Redis URL and it is not off."""
+    act = config.activations
+    if not act.active:
+        return None
+    if not config.enable_prefix_caching:
+        log.warning("activation cache off: it shares prefix-cache blocks, and --no-prefix-caching is set")
+        return None
+    layout = KVLayout.for_rank(act.key_model or config.model_id, config.revision, dtype, config.block_size,
+                               model_config.num_hidden_layers, cache.num_kv_heads, model_config.head_dim,
+                               strategy.name, strategy.shards, strategy.rank)
+    budget = Budget(*layout.budget_keys(), act.max_bytes) if act.max_bytes else None
+    lane = strategy.rank if strategy.lanes > 1 else 0
+    log.info("activation cache on: %s, keys %s:*, %d bytes per block, min hits %d, ttl %d s, budget %s",
+             redact(act.redis_url), layout.prefix, layout.block_bytes, act.min_hits, act.ttl_s,
+             f"{act.max_bytes} bytes" if act.max_bytes else "none (Redis's eviction)")
+    return CacheWorker(RedisTier(act.redis_url, act.timeout_s, act.retry_s), layout, cache, lane, strategy.shards,
+                       act.ttl_s, budget)
+
+
 def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
                        compute: Compute | None = None) -> ServedModel:
     """Loads this process's share of the model and preallocates its KV pool. A group
@@ -134,10 +160,15 @@ def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
     runner = ModelRunner(model, cache, compute.device, compute.decode_kernel, build_lora(config, strategy, model, compute))
     lanes = [Lane.create(i, num_blocks, config.block_size, config.enable_prefix_caching, config.max_batch_tokens,
                          config.max_num_seqs) for i in range(strategy.lanes)]
-    engine = LLMEngine(runner, tokenizer, lanes, strategy)
+    worker = build_cache_worker(config, model_config, strategy, cache, compute.dtype)
+    coordinator = None
+    if worker is not None and strategy.rank == 0:
+        coordinator = ActivationCache(config.activations, worker, lambda ops: strategy.exchange_cache(ops, worker),
+                                      config.block_size)
+    engine = LLMEngine(runner, tokenizer, lanes, strategy, coordinator)
     log.info("loaded %s (%s, %s on %s, GEMM %s, decode kernel %s): %d KV blocks of %d tokens; limits input %d, "
              "total %d", config.model_id, model_config.architecture, str(compute.dtype).removeprefix("torch."),
              compute.device, compute.gemm_name, "on" if compute.decode_kernel else "off", num_blocks,
              config.block_size, limits.max_input_tokens, limits.max_total_tokens)
     return ServedModel(engine, config, model_config, tokenizer, limits, compute, num_blocks, strategy,
-                       strategy.parameter_bytes(model))
+                       strategy.parameter_bytes(model), worker)

@@ -124,6 +124,14 @@ def token_message(out: TokenOutput) -> pb.Token:
 def stats_message(s: EngineStats) -> pb.StatsResponse:
     msg = _stats(s)
     msg.ranks.extend(_stats(r) for r in s.lanes)
+    a = s.activation_cache
+    if a is not None:
+        msg.activation_cache.CopyFrom(pb.ActivationCacheStats(
+            lookups=a.lookups, hits=a.hits, misses=a.lookups - a.hits, hit_blocks=a.hit_blocks,
+            miss_blocks=a.miss_blocks, prefill_tokens_saved=a.tokens_saved, bytes_read=a.bytes_read,
+            bytes_written=a.bytes_written, blocks_written=a.blocks_written, rejected_entries=a.rejected,
+            redis_errors=a.errors, timeouts=a.timeouts, fetch_seconds_sum=a.fetch_seconds_sum,
+            fetch_count=a.fetch_count, redis_up=a.redis_up))
     return msg
 
 

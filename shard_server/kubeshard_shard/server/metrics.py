@@ -11,9 +11,10 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kubeshard_shard.activations.coordinator import FETCH_BUCKETS, ActivationCacheStats
 from kubeshard_shard.engine.llm_engine import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -77,6 +78,33 @@ class _StatsCollector(Collector):
         yield counter("kubeshard_engine_steps", "Engine steps run.", s.steps_total)
         yield counter("kubeshard_group_comm_seconds", "Time the leader spent in shard-group collectives "
                       "(waits included).", s.comm_seconds_total)
+        if s.activation_cache is not None:
+            yield from _activation_cache_metrics(s.activation_cache, gauge, counter, labels, values)
+
+
+def _activation_cache_metrics(a: ActivationCacheStats, gauge, counter, labels, values):
+    p = "kubeshard_activation_cache"
+    yield counter(f"{p}_lookups", "Requests whose prompt prefix was looked up in Redis.", a.lookups)
+    yield counter(f"{p}_hits", "Lookups that loaded at least one KV block from Redis.", a.hits)
+    yield counter(f"{p}_misses", "Lookups that loaded nothing.", a.lookups - a.hits)
+    yield counter(f"{p}_hit_blocks", "KV blocks loaded from Redis and used.", a.hit_blocks)
+    yield counter(f"{p}_miss_blocks", "KV blocks looked up and not loaded.", a.miss_blocks)
+    yield counter(f"{p}_prefill_tokens_saved", "Prompt tokens not computed thanks to Redis.", a.tokens_saved)
+    yield counter(f"{p}_read_bytes", "Bytes read from Redis (all ranks).", a.bytes_read)
+    yield counter(f"{p}_written_bytes", "Bytes written to Redis (all ranks).", a.bytes_written)
+    yield counter(f"{p}_written_blocks", "KV blocks written to Redis (all ranks).", a.blocks_written)
+    yield counter(f"{p}_rejected_entries", "Entries refused (truncated, mismatched or corrupt; all ranks).",
+                  a.rejected)
+    yield counter(f"{p}_redis_errors", "Failed or timed-out Redis calls (all ranks).", a.errors)
+    yield counter(f"{p}_timeouts", "Lookups whose requests went on without them.", a.timeouts)
+    yield gauge(f"{p}_redis_up", "1 when the leader's last Redis call succeeded.", 1.0 if a.redis_up else 0.0)
+    h = HistogramMetricFamily(f"{p}_fetch_seconds", "From a lookup to its blocks in the KV pool.", labels=labels)
+    cumulative, buckets = 0, []
+    for bound, n in zip((*FETCH_BUCKETS, float("inf")), a.fetch_buckets):
+        cumulative += n
+        buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+    h.add_metric(values, buckets, a.fetch_seconds_sum)
+    yield h
 
 
 class EngineMetrics:

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def _engine_fingerprint(config: EngineConfig) -> int:
     fields = (config.dtype, config.max_input_tokens, config.max_total_tokens, config.block_size,
-              config.max_batch_tokens)
+              config.max_batch_tokens, config.activations.active)
     return fingerprint(repr(fields).encode())
 
 
@@ -99,7 +99,7 @@ def _run_follower(config: EngineConfig, placement: Placement, listen: ListenConf
         print(f"kubeshard shard ready: rank {placement.rank} of {placement.shards} following "
               f"{placement.master_addr}:{placement.master_port}", flush=True)
         return served.strategy.follow(served.engine.runner,
-                                      lambda: bool(stop_at) and time.monotonic() > stop_at[0])
+                                      lambda: bool(stop_at) and time.monotonic() > stop_at[0], served.cache_worker)
     except (GroupError, CheckpointError, ValueError):
         raise
     except Exception as exc:  # a failed collective: the group is broken
