@@ -6,7 +6,7 @@ router sees a kubeshard replica. One ``og.Generator`` per request holds its KV c
 a step is schedule → execute → update: admit waiting requests up to ``max_num_seqs``,
 advance every running generator by one token, then detokenize, check the stops and
 emit. Logprobs and top-n alternatives come from the step's logits (log-softmax of the
-row the token was picked from).
+row the token is picked from, read before the generator moves on).
 
 What ONNX Runtime GenAI's search cannot do is refused when the request arrives
 (``check``, a ``RequestError`` naming the field): typical-p, min-p, frequency and
@@ -152,10 +152,11 @@ class OnnxEngine:
             self.running.append(self._start(self.waiting.pop(0)))
         outputs = []
         for request in list(self.running):
+            # the logits the next token is picked from (after it, get_logits is the next step's)
+            logits = np.asarray(request.generator.get_logits(), dtype=np.float32).reshape(-1)
             request.generator.generate_next_token()
             token_id = int(request.generator.get_next_tokens()[0])
-            logprobs = log_softmax(np.asarray(request.generator.get_logits(), dtype=np.float32).reshape(-1))
-            outputs.append(self._update(request, token_id, logprobs))
+            outputs.append(self._update(request, token_id, log_softmax(logits)))
         self.steps_total += 1
         self.last_step_seconds = time.perf_counter() - started
         self.step_seconds_total += self.last_step_seconds
