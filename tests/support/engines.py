@@ -27,7 +27,7 @@ INFO_READY = re.compile(r"kubeshard shard ready: model (?P<model>\S+) \((?P<runt
                         r"(?P<host>[^:\s]+):(?P<port>\d+)")
 ENGINE_READY = {
     "llamacpp": re.compile(r"Uvicorn running on http://(?P<host>[^:\s]+):(?P<port>\d+)"),
-    "vllm": re.compile(r"Application startup complete"),
+    "vllm": re.compile(r"(?P<ready>Application startup complete)"),
 }
 
 
