@@ -171,7 +171,7 @@ def test_the_custom_metrics_api_serves_the_live_concurrency(cluster, kubeshard, 
              what="concurrency 3 while three streams are open")
     assert int(metric(cluster, namespace, "live", "tokens_in_flight")) > 0
     results = client_results(cluster, namespace, client)
-    assert [r["status"] for r in results] == [200] * 3 and all(r["error"] is None for r in results)
+    assert [r["status"] for r in results] == [200] * 3 and all(r["error"] is None for r in results), results
     wait_for(lambda: metric(cluster, namespace, "live", "concurrency") == "0", 60,
              what="concurrency back to 0 after the streams ended")
     # The HPA reads the same value through the aggregator.
@@ -250,7 +250,7 @@ def test_idle_scales_to_zero_and_twenty_requests_at_zero_all_succeed(cluster, ku
     url = f"{kubeshard.router_url}/models/sleepy/generate"
     reference = client_results(cluster, namespace, start_client(
         cluster, namespace, concurrency=1, url=url, body=GREEDY, headers=NO_CACHE))
-    assert reference[0]["status"] == 200 and reference[0]["text"]
+    assert reference[0]["status"] == 200 and reference[0]["text"], reference
     body["spec"]["autoscaling"]["idleSeconds"] = 10
     apply(cluster, body)
 
@@ -325,7 +325,7 @@ def test_autoscaling_follows_the_load_with_redis_stopped(cluster, kubeshard, nam
         wait_for(lambda: spec_replicas(cluster, namespace, "direct") == 2, 120, interval=1,
                  what="the HPA to scale out on the routers' direct counts")
         results = client_results(cluster, namespace, client)
-        assert [r["status"] for r in results] == [200] * 3
+        assert [r["status"] for r in results] == [200] * 3, results
     finally:
         cluster.kubectl("-n", kubeshard.namespace, "scale", redis, "--replicas=1")
         wait_for(lambda: any(pod_ready(p) for p in kubeshard.pods("redis")), 180, what="Redis back")
