@@ -97,8 +97,10 @@ class Bench:
 
     # -- cold start ------------------------------------------------------------------------
 
-    def cold_start(self, name: str, model_dir: Path, runs: int, engine: dict, resources: dict) -> dict:
+    def cold_start(self, name: str, model_dir: Path, runs: int, engine: dict, resources: dict,
+                   dtype: str) -> dict:
         self.apply(inference_service(name, self.ns, model_dir, engine=engine, resources=resources,
+                                     model={"source": f"file://{model_dir}", "dtype": dtype},
                                      autoscaling={"minReplicas": 0, "maxReplicas": 1, "idleSeconds": 5}))
         self.wait_phase(name, "Ready")
         url, router_pod = self.router()
@@ -184,9 +186,10 @@ class Bench:
 
     # -- scaling under an open-loop load ------------------------------------------------------
 
-    def scaling(self, model_dir: Path) -> dict:
+    def scaling(self, model_dir: Path, dtype: str) -> dict:
         name = "elastic"
         self.apply(inference_service(name, self.ns, model_dir, engine={"maxTotalTokens": 512, "kvCacheMemory": "64Mi"},
+                                     model={"source": f"file://{model_dir}", "dtype": dtype},
                                      autoscaling={"minReplicas": 0, "maxReplicas": 3, "target": 1,
                                                   "idleSeconds": 15, "scaleDownStabilizationSeconds": 20}))
         self.wait_phase(name, "Ready")
@@ -296,7 +299,8 @@ def write(results: dict) -> None:
              f"Machine: {results['machine']['cores']} CPUs ({results['machine']['cpu']}), run "
              f"{results['machine']['date']}; load average {results['load_before']} before the run (the "
              "machine is shared with other work). The local control plane of `e2e/cluster` (process-backed "
-             f"node), the chart installed as the e2e tests install it. Reproduce: `{results['command']}`.", ""]
+             f"node), the chart installed as the e2e tests install it; shards in {results.get('dtype')}. "
+             f"Reproduce: `{results['command']}`.", ""]
     for key, title in (("coldstart_tiny", "tiny demo model (llama, random weights)"),
                        ("coldstart_default", "default model, SmolLM2-135M-Instruct (float32)")):
         cs = results.get(key)
@@ -341,12 +345,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", nargs="?", default="all", choices=["coldstart", "coldstart-default", "scaling", "all"])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16",
+                   help="shard dtype; float32 on CPU uses the compiled decode kernel, which a pod "
+                        "compiles when the node has none built for the current kernel source")
     args = p.parse_args(argv)
     from e2e.cluster.sharing import acquire, release
     from kubeshard_shard.demo_model import cached_demo_model
 
     previous = json.loads((RESULTS / "serverless.json").read_text()) if (RESULTS / "serverless.json").is_file() else {}
-    results = {**previous, "machine": machine(), "command": f"python -m bench.serverless_bench {args.what}",
+    results = {**previous, "machine": machine(), "dtype": args.dtype,
+               "command": f"python -m bench.serverless_bench {args.what} --dtype {args.dtype}",
                "load_before": round(__import__("os").getloadavg()[0], 2)}
     local, cluster = acquire(nodes=1, node_gpus=0)
     bench = Bench(cluster)
@@ -356,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.what in ("coldstart", "all"):
             results["coldstart_tiny"] = bench.cold_start("tiny", tiny, args.runs,
                                                          {"maxTotalTokens": 256, "kvCacheMemory": "64Mi"},
-                                                         {"cpu": "1", "memory": "1Gi"})
+                                                         {"cpu": "1", "memory": "1Gi"}, args.dtype)
         if args.what in ("coldstart-default", "all"):
             model = default_model_dir()
             if model is None:
@@ -364,9 +372,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             else:
                 results["coldstart_default"] = bench.cold_start("smollm2", model, args.runs,
                                                                 {"maxTotalTokens": 2048, "kvCacheMemory": "256Mi"},
-                                                                {"cpu": "1", "memory": "3Gi"})
+                                                                {"cpu": "1", "memory": "3Gi"}, args.dtype)
         if args.what in ("scaling", "all"):
-            results["scaling"] = bench.scaling(tiny)
+            results["scaling"] = bench.scaling(tiny, args.dtype)
     finally:
         bench.uninstall()
         release(local)
