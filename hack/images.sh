@@ -105,6 +105,7 @@ build() {
   echo "images: building $group (${refs[*]})" >&2
   "$@" >"$out/$group.build.log" 2>&1 || { tail -40 "$out/$group.build.log" >&2; exit 1; }
   docker save -o "$tarball.tmp" "${refs[@]}"
+  docker image prune -f >/dev/null  # earlier builds' untagged stages
   mv "$tarball.tmp" "$tarball"
   rm -f "$out/$group"-*.tar.old
   for old in "$out/$group"-*.tar; do [ "$old" = "$tarball" ] || rm -f "$old"; done
@@ -118,8 +119,12 @@ dockerfile_build() { # DOCKERFILE REF [more -t refs]: docker build with the base
   local tags=()
   for r in "$@"; do tags+=(-t "$r"); done
   ensure_base
-  docker build --network host -f "$file" --build-arg "BASE_IMAGE=$BASE_REF" \
-    --build-arg "EXTRA_CA_CERTS=$(extra_ca)" "${tags[@]}" "$root"
+  local args=(--network host --force-rm -f "$file" --build-arg "BASE_IMAGE=$BASE_REF"
+              --build-arg "EXTRA_CA_CERTS=$(extra_ca)")
+  # The build stage under a name of its own first: its layers (the dependencies) stay
+  # cached when `docker image prune` removes the untagged leftovers of older builds.
+  docker build "${args[@]}" --target build -t "kubeshard.local/build-cache/$(basename "$(dirname "$file")"):latest" "$root" &&
+  docker build "${args[@]}" "${tags[@]}" "$root"
 }
 
 part() { # GROUP DOCKERFILE IMAGE SOURCES...

@@ -69,8 +69,10 @@ def config(c: ClusterConfig, node: NodeSpec, pki: Pki) -> dict:
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "imageMinimumGCAge": "876000h",
-        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "2%",
-                         "imagefs.available": "2%"},
+        # The disk is the machine's, shared with everything else on it: evict pods only
+        # when it is really full, not when a neighbour's build fills it for a while.
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "512Mi",
+                         "imagefs.available": "512Mi", "nodefs.inodesFree": "1%"},
         "serializeImagePulls": False,
         "syncFrequency": "10s",
         "fileCheckFrequency": "10s",
