@@ -9,11 +9,14 @@ Fixture API (a contract: other tests code against it)
     last session using it ends). If ``KUBESHARD_E2E_KUBECONFIG`` is set, uses that
     cluster instead (kind, or any other) and starts nothing. A cluster this session
     starts has ``KUBESHARD_CLUSTER_NODES`` nodes (default 1) advertising
-    ``KUBESHARD_CLUSTER_GPUS`` fake ``nvidia.com/gpu`` each (default 0).
+    ``KUBESHARD_CLUSTER_GPUS`` fake ``nvidia.com/gpu`` each (default 0); its node is
+    the process-backed agent, or the real kubelet with containerd when
+    ``KUBESHARD_NODE_RUNTIME=containerd`` (one node; see README).
 
     cluster.kubeconfig        path (str) of an admin kubeconfig
     cluster.bin_dir           Path of the folder holding kubectl and helm
-    cluster.is_local          True for the process-backed local cluster
+    cluster.is_local          True for the local cluster (either node)
+    cluster.local_config      its ClusterConfig (``.runtime``: "process" | "containerd"), else None
     cluster.kubectl(*args, input=None, check=True, timeout=60) -> subprocess.CompletedProcess
     cluster.helm(*args, check=True, timeout=300)               -> subprocess.CompletedProcess
         text mode, output captured; with check, a non-zero exit raises
@@ -23,8 +26,10 @@ Fixture API (a contract: other tests code against it)
         the container's log ("" when it has none yet); container defaults to the
         pod's default container.
     cluster.exec(namespace, pod, *argv, container=None, check=True, timeout=60)
-        run a command in a running container (local: nsenter; else kubectl exec).
-    cluster.pod_pids(namespace, pod) -> list[int]   (local only) live container pids.
+        run a command in a running container (process-backed node: nsenter; else
+        kubectl exec).
+    cluster.pod_pids(namespace, pod) -> list[int]   (local only) live container pids
+        (real node: from the CRI).
 
 ``namespace`` (function scope) -> str
     A fresh namespace (``e2e-<test name>-<random>``) whose ``default`` service
@@ -36,8 +41,9 @@ value (returned), and on timeout raises AssertionError naming ``what`` and the l
 value or exception seen.
 
 On the local cluster, the host reaches pod IPs directly (as a node does), Services are
-reachable from pods by DNS name, and pods run as local processes (see README, "Local
-Kubernetes control plane", for the image map and what differs from a real cluster).
+reachable from pods by DNS name, and pods run as local processes or, on the real node,
+as containers of the images hack/images.sh builds (see README, "Local Kubernetes
+control plane", for both and what differs from a real cluster).
 """
 
 from __future__ import annotations
