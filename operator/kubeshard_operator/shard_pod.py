@@ -7,6 +7,7 @@ a group, and the template's hash (builders.template_hash) says which groups are 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional
 
 from kubernetes.utils import parse_quantity
@@ -89,6 +90,13 @@ def shard_args(spec: InferenceServiceSpec, headless_service: str) -> list[str]:
             args += [flag, str(value)]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
+    # the activation cache (on when the pod has KUBESHARD_REDIS_URL): its keys are named by
+    # metadata.name, which the finalizer's kubeshard:<name>:* cleans
+    a = spec.activations
+    args += ["--redis-key-model", spec.name, "--activation-cache-min-hits", str(a.min_hits),
+             "--activation-cache-ttl", str(a.ttl_seconds), "--activation-cache-max-bytes", str(a.max_bytes)]
+    if not a.enabled:
+        args.append("--no-activation-cache")
     if spec.runtime.name == "onnx":  # ONNX Runtime GenAI inside the shard server
         args += ["--runtime", "onnx"]
     for adapter in m.adapters:  # served at start; more through the router's /v1/load_lora_adapter
@@ -109,8 +117,17 @@ def cpu_threads(spec: InferenceServiceSpec) -> Optional[int]:
     return max(1, math.ceil(parse_quantity(spec.resources.cpu)))
 
 
+def shard_redis_url(url: Optional[str]) -> Optional[str]:
+    """The Redis URL shard pods get for the activation cache: the operator's, unless it
+    carries a password (pods in the model's namespace must not hold the secret in their
+    spec; an external Redis with a password leaves the activation cache off)."""
+    if not url or re.match(r"^[a-z]+://[^/@]*:[^/@]*@", url):
+        return None
+    return url
+
+
 def shard_env(spec: InferenceServiceSpec, index: int,
-              cache_dir: Optional[str] = None) -> list[dict[str, Any]]:
+              cache_dir: Optional[str] = None, redis_url: Optional[str] = None) -> list[dict[str, Any]]:
     ours: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE",
@@ -124,6 +141,8 @@ def shard_env(spec: InferenceServiceSpec, index: int,
         # What the image built ahead (the CPU decode kernel): found there instead of being
         # compiled again in every new pod, which would add a minute to each cold start.
         ours.append({"name": "KUBESHARD_CACHE", "value": cache_dir})
+    if redis_url:
+        ours.append({"name": "KUBESHARD_REDIS_URL", "value": redis_url})
     # The user's variables win over ours, and a list with one entry per name keeps
     # server-side apply happy (env is a map keyed by name).
     user = {v["name"]: dict(v) for v in spec.pod.env}
@@ -224,7 +243,7 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
         "image": image,
         "imagePullPolicy": pull,
         "args": shard_args(spec, n.group_name(spec.name, index)),
-        "env": shard_env(spec, index, cfg.shard_cache_dir),
+        "env": shard_env(spec, index, cfg.shard_cache_dir, shard_redis_url(cfg.redis_url)),
         "ports": [
             {"name": "grpc", "containerPort": n.GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},

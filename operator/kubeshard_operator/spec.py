@@ -185,6 +185,17 @@ class Runtime:
 
 
 @dataclass(frozen=True)
+class ActivationCache:
+    """spec.cache.activations: the KV blocks of popular prompt prefixes shared through
+    Redis between the model's replicas (on whenever the operator knows a Redis)."""
+
+    enabled: bool = True
+    min_hits: int = 2           # prompts that must hold a block before it is written
+    ttl_seconds: int = 3600
+    max_bytes: int = 1024**3    # Redis bytes for this model's entries
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     name: str
     namespace: str
@@ -196,6 +207,7 @@ class InferenceServiceSpec:
     engine: Engine
     pod: PodOverrides
     runtime: Runtime = Runtime()
+    activations: ActivationCache = ActivationCache()
 
     @property
     def pods_per_group(self) -> int:
@@ -223,9 +235,25 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceS
         engine=_engine(_obj(spec, "engine", "spec.engine")),
         pod=_pod(_obj(spec, "pod", "spec.pod")),
         runtime=_runtime(_obj(spec, "runtime", "spec.runtime")),
+        activations=_activations(_obj(_obj(spec, "cache", "spec.cache"), "activations", "spec.cache.activations")),
     )
     check_runtime(parsed)
     return parsed
+
+
+def _activations(a: Mapping[str, Any]) -> ActivationCache:
+    where = "spec.cache.activations"
+    max_bytes = a.get("maxBytes", "1Gi")
+    try:
+        size = int(parse_quantity(str(max_bytes)))
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise SpecError(f"{where}.maxBytes {max_bytes!r} must be a positive byte quantity such as 1Gi")
+    return ActivationCache(enabled=bool(a.get("enabled", True)),
+                           min_hits=_int(a, "minHits", f"{where}.minHits", default=2, minimum=1),
+                           ttl_seconds=_int(a, "ttlSeconds", f"{where}.ttlSeconds", default=3600, minimum=1),
+                           max_bytes=size)
 
 
 def _runtime(r: Mapping[str, Any]) -> Runtime:

@@ -194,3 +194,27 @@ def test_url_points_at_the_router_or_the_leader_service():
     assert b.service_url(spec, CFG) == \
         "http://kubeshard-router.kubeshard.svc:8080/models/tiny"
     assert b.service_url(spec, OperatorConfig()) == "grpc://tiny.ml.svc:50051"
+
+
+def test_shards_get_the_activation_cache_settings_and_redis():
+    from dataclasses import replace
+
+    from kubeshard_operator.shard_pod import shard_redis_url
+
+    spec = make_spec(cache={"activations": {"minHits": 3, "ttlSeconds": 120, "maxBytes": "256Mi"}})
+    cfg = replace(CFG, redis_url="redis://kubeshard-redis.kubeshard.svc:6379/0")
+    c = container(b.build_statefulset(spec, cfg, 0))
+    args = c["args"]
+    assert flag(args, "--redis-key-model") == "tiny"      # metadata.name: the finalizer cleans kubeshard:tiny:*
+    assert flag(args, "--activation-cache-min-hits") == "3" and flag(args, "--activation-cache-ttl") == "120"
+    assert flag(args, "--activation-cache-max-bytes") == str(256 * 1024**2)
+    assert "--no-activation-cache" not in args
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KUBESHARD_REDIS_URL"]["value"] == "redis://kubeshard-redis.kubeshard.svc:6379/0"
+    off = container(b.build_statefulset(make_spec(cache={"activations": {"enabled": False}}), cfg, 0))
+    assert "--no-activation-cache" in off["args"]
+    # no Redis, or one whose URL carries a password: the pods get no URL (the cache stays off)
+    assert "KUBESHARD_REDIS_URL" not in {e["name"] for e in container(b.build_statefulset(spec, CFG, 0))["env"]}
+    assert shard_redis_url("redis://:secret@redis:6379/0") is None
+    assert shard_redis_url("rediss://user:pw@redis:6380") is None
+    assert shard_redis_url("redis://redis:6379/0") == "redis://redis:6379/0"

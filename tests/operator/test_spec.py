@@ -54,6 +54,10 @@ def test_hf_revision_comes_from_the_uri():
     ({"replicas": -1}, "spec.replicas"),
     ({"replicas": "two"}, "spec.replicas"),
     ({"pod": {"env": [{"value": "x"}]}}, "spec.pod.env[0].name"),
+    ({"cache": {"activations": {"minHits": 0}}}, "spec.cache.activations.minHits"),
+    ({"cache": {"activations": {"ttlSeconds": 0}}}, "spec.cache.activations.ttlSeconds"),
+    ({"cache": {"activations": {"maxBytes": "lots"}}}, "spec.cache.activations.maxBytes"),
+    ({"cache": {"activations": {"maxBytes": "0"}}}, "spec.cache.activations.maxBytes"),
 ])
 def test_bad_specs_name_the_field(overrides, field):
     with pytest.raises(SpecError) as info:
@@ -80,3 +84,12 @@ def test_kv_cache_memory_accepts_bytes_and_fractions():
 def test_autoscaling_target_defaults_per_metric():
     assert make_spec(autoscaling={"maxReplicas": 3}).autoscaling.target == 8
     assert make_spec(autoscaling={"maxReplicas": 3, "metric": "cpu"}).autoscaling.target == 80
+
+
+def test_activation_cache_defaults_and_settings():
+    from kubeshard_operator.spec import ActivationCache
+
+    assert parse_spec("tiny", "ml", spec_dict()).activations == ActivationCache(True, 2, 3600, 1024**3)
+    a = parse_spec("tiny", "ml", spec_dict(cache={"activations": {"enabled": False, "minHits": 3, "ttlSeconds": 60,
+                                                                  "maxBytes": "512Mi"}})).activations
+    assert a == ActivationCache(False, 3, 60, 512 * 1024**2)
