@@ -33,7 +33,7 @@ class StepInputs:
     prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     context_slots: list[torch.Tensor | None] = field(default_factory=list)
     # LoRA slot of each token (None: all base model); unsharded engines only
-    lora_slots: torch.Tensor | None = None
+    lora_slots: list[int] | None = None
 
 
 @dataclass
@@ -69,6 +69,8 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
 
         decodes = sched.decodes
+        if self.lora is not None:  # rows of one adapter side by side: each adapter is one slice (models.lora)
+            decodes = sorted(decodes, key=lambda s: s.adapter_slot)
         tables, lens = [], []
         for seq in decodes:
             p = seq.num_tokens - 1
@@ -130,7 +132,7 @@ class ModelRunner:
                                       or any(s.adapter_slot for s, _ in sched.prefills)):
             per_token = [s.adapter_slot for s in decodes] + [s.adapter_slot for s, n in sched.prefills
                                                                for _ in range(n)]
-            inputs.lora_slots = torch.tensor(per_token, dtype=torch.long)
+            inputs.lora_slots = per_token
         return StepPlan(inputs, sample_seqs, prompt_rows)
 
     def metadata(self, inputs: StepInputs) -> AttentionMetadata:
@@ -153,8 +155,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         attn = PagedAttention(self.cache, self.metadata(inputs), self.decode_kernel)
         if self.lora is not None:
-            slots = inputs.lora_slots
-            self.lora.begin_step(None if slots is None else slots.to(self.device, non_blocking=True))
+            self.lora.begin_step(inputs.lora_slots)
         hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
                             inputs.positions.to(self.device, non_blocking=True), attn)
         hidden = hidden.index_select(0, inputs.logits_indices.to(self.device, non_blocking=True))

@@ -6,11 +6,14 @@ projection a LoRA may target (q, k, v, o, gate, up, down) in a ``LoraLinear``; o
 layers (q|k|v, gate|up) take each sub-projection's A stacked and its B block-diagonal,
 so one adapter costs one GEMM pair per fused layer: ``y += ((x Aᵀ) Bᵀ) · scale``.
 
-Per step the runner hands the registry each token's slot (``begin_step``); every wrapped
-layer then adds, for each adapter present in the step, the delta of the rows that use it
-(gathered and scattered by index), so requests for different adapters — and for the base
-model — share one batch and one base GEMM (the segmented approach of Punica/S-LoRA, on
-whole rows). Rows of the base model cost nothing extra.
+Per step the runner orders the step's decode rows by adapter and hands the registry each
+token's slot (``begin_step``), which cuts them into runs of one adapter; every wrapped
+layer then adds each run's delta in place on its slice of the output (``addmm_``: no
+gather, no scatter), so requests for different adapters — and for the base model —
+share one batch and one base GEMM (the segmented approach of Punica/S-LoRA's SGMV, on
+contiguous rows). Rows of the base model cost nothing extra. A first version gathered
+and scattered rows by index: on this 2-core machine ``index_add_`` alone cost more than
+the base step (bench/results/api.md).
 
 Sharding: adapters apply with the unsharded engine (one process per replica). A tensor
 or zero3 group refuses them at load time with a message saying so: their projections
@@ -144,12 +147,12 @@ def load_adapter(name: str, source: str, model: nn.Module, dtype: torch.dtype, d
 
 
 class StepLora:
-    """Which rows of this step use which adapter: [(slot, row indices)], base rows left out."""
+    """Runs of this step's rows that use one adapter: [(slot, start, end)], base rows left out."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("runs",)
 
-    def __init__(self, groups: list[tuple[int, torch.Tensor]]) -> None:
-        self.groups = groups
+    def __init__(self, runs: list[tuple[int, int, int]]) -> None:
+        self.runs = runs
 
 
 class AdapterRegistry:
@@ -200,13 +203,18 @@ class AdapterRegistry:
             raise AdapterError(f"adapter {name!r} is not loaded ({known})")
         return adapter
 
-    def begin_step(self, slots: torch.Tensor | None) -> None:
-        """Groups the step's token rows by adapter slot (None: every row is the base model)."""
-        if slots is None:
+    def begin_step(self, slots: list[int] | None) -> None:
+        """Cuts the step's token rows into runs of one adapter slot (None: all base model)."""
+        if not slots:
             self.step = None
             return
-        groups = [(int(s), (slots == s).nonzero().flatten()) for s in torch.unique(slots).tolist() if s != 0]
-        self.step = StepLora(groups) if groups else None
+        runs, start = [], 0
+        for i in range(1, len(slots) + 1):
+            if i == len(slots) or slots[i] != slots[start]:
+                if slots[start]:
+                    runs.append((slots[start], start, i))
+                start = i
+        self.step = StepLora(runs) if runs else None
 
 
 class LoraLinear(nn.Module):
@@ -223,14 +231,13 @@ class LoraLinear(nn.Module):
         step = self.registry.step
         if step is None:
             return y
-        for slot, rows in step.groups:
+        for slot, start, end in step.runs:
             adapter = self.registry.slots.get(slot)
             weights = adapter.weights.get(self.key) if adapter is not None else None
             if weights is None:
                 continue
             a, b = weights
-            xs = x.index_select(0, rows)
-            y.index_add_(0, rows, (xs @ a.t()) @ b.t())
+            y[start:end].addmm_(torch.mm(x[start:end], a.t()), b.t())
         return y
 
 
