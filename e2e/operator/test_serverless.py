@@ -24,6 +24,8 @@ from e2e.waiting import wait_for
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 METRICS = "/apis/custom.metrics.k8s.io/v1beta2"
+# Deterministic requests would be answered from the response cache, not by the model.
+NO_CACHE = {"Cache-Control": "no-cache, no-store"}
 ENGINE = {"maxTotalTokens": 4096, "kvCacheMemory": "64Mi"}
 FIRST_START = 600
 
@@ -102,7 +104,7 @@ def client_results(cluster, namespace: str, pod: str, timeout: float = 300) -> l
 
 def long_stream(router_url: str, model: str, tokens: int = 3500) -> dict:
     """A streaming completion that runs to `tokens` whatever the random model says."""
-    return {"url": f"{router_url}/v1/completions", "stream": True, "body": {
+    return {"url": f"{router_url}/v1/completions", "stream": True, "headers": NO_CACHE, "body": {
         "model": model, "prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True,
         "stream": True, "temperature": 0}}
 
@@ -221,7 +223,6 @@ def test_the_hpa_scales_out_under_load_and_back_in(cluster, kubeshard, namespace
 # -- scale to zero and back ------------------------------------------------------------------
 
 GREEDY = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
-NO_CACHE = {"Cache-Control": "no-cache, no-store"}  # the response cache would answer for the model
 
 
 def router_pods(kubeshard) -> list[dict]:
