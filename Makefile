@@ -52,7 +52,7 @@ test-unit: install ## run the tests that need no Kubernetes control plane
 test-engines: install engines ## build the peer engines (once, cached) and run their tests; a missing one fails
 	KUBESHARD_REQUIRE_ENGINES=1 $(PY) -m pytest tests/router/test_peer_engines.py
 
-engines: ## build (or reuse) the peer engines' environments: llama.cpp (compiles, ~45 min cold), vLLM CPU, ONNX builder
+engines: ## build (or reuse) the peer engines' environments: llama.cpp (compiles: ~60 min cold here), vLLM CPU, ONNX builder
 	hack/engines.sh llamacpp
 	hack/engines.sh vllm
 	hack/engines.sh onnx
