@@ -173,7 +173,7 @@ def test_the_custom_metrics_api_serves_the_live_concurrency(cluster, kubeshard, 
              what="concurrency 3 while three streams are open")
     assert int(metric(cluster, namespace, "live", "tokens_in_flight")) > 0
     results = client_results(cluster, namespace, client)
-    assert [r["status"] for r in results] == [200] * 3 and all(r["error"] is None for r in results), results
+    assert [(r["status"], r["error"]) for r in results] == [(200, None)] * 3
     wait_for(lambda: metric(cluster, namespace, "live", "concurrency") == "0", 60,
              what="concurrency back to 0 after the streams ended")
     # The HPA reads the same value through the aggregator.
@@ -269,9 +269,13 @@ def test_idle_scales_to_zero_and_twenty_requests_at_zero_all_succeed(cluster, ku
     assert len(results) == 20
     assert [r["status"] for r in results] == [200] * 20, [r for r in results if r["status"] != 200]
     assert {r["text"] for r in results} == {reference[0]["text"]}  # the right tokens
-    woken = isvc(cluster, namespace, "sleepy")
-    assert woken["spec"]["replicas"] == 1  # two routers asked, one replica came
-    assert woken["metadata"]["generation"] == generation + 1
+    # Both routers held requests and asked; one patch took the model from zero (the HPA
+    # may add a group for the 20 after that).
+    scaled = [line for p in router_pods(kubeshard)
+              for line in cluster.pod_logs(kubeshard.namespace, p["metadata"]["name"]).splitlines()
+              if f"scaled {namespace}/sleepy from zero to one replica" in line]
+    assert len(scaled) == 1, scaled
+    assert isvc(cluster, namespace, "sleepy")["metadata"]["generation"] > generation
     # And with no more requests it goes back to zero: nothing stays scaled up.
     wait_phase(cluster, namespace, "sleepy", "ScaledToZero", 0, timeout=180)
 
