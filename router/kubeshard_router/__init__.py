@@ -2,7 +2,7 @@
 
 Words: a *replica* is one shard group of a model, reached through its leader's address;
 a *stream* is one response (SSE events, or the engine's token stream behind them); a
-*flight* is one Generate call on one replica (a request retried elsewhere has several).
+*flight* is one generation on one replica (a request retried elsewhere has several).
 Several router instances may serve the same models; Redis is what they share.
 
 Modules, one job each:
@@ -18,7 +18,10 @@ Modules, one job each:
 - ``engine_request`` the API-neutral request sent to a leader (and the cache key's source)
 - ``tokenization``  the per-model tokenizer and chat template (from the leader's Info)
 - ``backends/``     replica sources (static, Kubernetes), gRPC clients, models and
-                    replicas (``model``), the registry and its probes
+                    replicas (``model``), the registry and its probes; ``engine``: the one
+                    interface generations go through, with two kinds, the gRPC contract
+                    (``grpc_client``) and OpenAI-compatible HTTP engines (``openai_http``:
+                    vLLM, llama.cpp's server)
 - ``generation``    the response cache in front of the dispatcher; per-request metrics
 - ``dispatch``      one generation: activation, admission, replica choice, retries, and
                     one relay that reads a flight's tokens for ``stream`` and ``collect``
