@@ -13,7 +13,7 @@ gather, no scatter), so requests for different adapters — and for the base mod
 share one batch and one base GEMM (the segmented approach of Punica/S-LoRA's SGMV, on
 contiguous rows). Rows of the base model cost nothing extra. A first version gathered
 and scattered rows by index: on this 2-core machine ``index_add_`` alone cost more than
-the base step (bench/results/api.md).
+the base step (bench/results/api-run1.md).
 
 Sharding: adapters apply with the unsharded engine (one process per replica). A tensor
 or zero3 group refuses them at load time with a message saying so: their projections
