@@ -75,9 +75,13 @@ def _llamacpp(python: Path, x: Launch) -> list[str]:
 
 
 def _vllm(python: Path, x: Launch) -> list[str]:
+    # --optimization-level 0: no torch.compile. Compiled, vLLM's CPU build starts in 10 to
+    # 16 min on two shared cores (its cache helps only for the same shapes); eager, in
+    # about 90 s, with the same greedy output.
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(x.model),
             "--served-model-name", x.model_id, "--host", x.host, "--port", str(x.port),
-            "--max-model-len", str(x.max_total_tokens)]
+            "--max-model-len", str(x.max_total_tokens),
+            "--optimization-level", os.environ.get("KUBESHARD_VLLM_OPTIMIZATION_LEVEL", "0")]
 
 
 def _vllm_env(x: Launch) -> dict[str, str]:
