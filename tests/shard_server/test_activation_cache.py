@@ -168,8 +168,9 @@ def test_redis_flushed_or_stopped_mid_run(demo_model, redis_server, redis_url):
     other = random_prompts(2, 1000, (40, 60), seed=13)
     assert generate(fresh, [other[0]]) == [hf_greedy(model, other[0], 8)]     # a lookup finds nothing
     redis_server.stop()
+    want_other = hf_greedy(model, other[1], 8)
     started = time.monotonic()
-    assert generate(fresh, prompts[1:] + [other[1]]) == want[1:] + [hf_greedy(model, other[1], 8)]
+    assert generate(fresh, prompts[1:] + [other[1]]) == want[1:] + [want_other]
     assert time.monotonic() - started < 30
     a = fresh.stats().activation_cache
     assert not a.redis_up and a.errors >= 1
@@ -186,14 +187,17 @@ def test_slow_redis_bounds_the_wait(demo_model, redis_server, redis_url):
     populate(engine(model, redis_url), prompts[:1])
     proxy = SlowProxy(redis_server.port)
     try:
+        want = [hf_greedy(model, prompts[1], 8)]
         fresh = engine(model, proxy.url, timeout_s=0.3)
         time.sleep(0.5)                                          # connected while fast
         proxy.delay = 20.0                                       # then every reply takes 20 s
         started = time.monotonic()
-        assert generate(fresh, prompts[1:]) == [hf_greedy(model, prompts[1], 8)]
+        assert generate(fresh, prompts[1:]) == want
         assert time.monotonic() - started < 10                   # the 0.3 s wait, not the 20 s reply
         a = fresh.stats().activation_cache
-        assert a.timeouts + a.errors >= 1 and a.hit_blocks == 0
+        assert a.timeouts + a.errors >= 1 and a.hit_blocks == 0 and not a.redis_up
+        generate(fresh, [PREFIX + TAILS[2]])                     # right after: Redis is skipped, no wait
+        assert fresh.stats().activation_cache.lookups == a.lookups
     finally:
         proxy.close()
 
@@ -308,3 +312,41 @@ def test_cache_ops_cross_the_wire_unchanged():
                    writes=[Transfer(2, 1, 7, [5], [(1 << 127) + 3])], queries=[1, 2], releases=[9])
     assert CacheOps.decode(ops.encode()) == ops
     assert CacheOps.decode(CacheOps().encode()).empty
+
+
+def test_on_with_a_redis_url_and_its_flags_round_trip(demo_model):
+    from kubeshard_shard.cli import build_parser
+    from kubeshard_shard.config import EngineConfig
+
+    assert build_engine(demo_model(), kv="16MiB").engine.cache is None          # no URL: off
+    args = build_parser().parse_args(["serve-shard", "--model", str(demo_model()), "--redis-url", "redis://h:1/0",
+                                      "--activation-cache-min-hits", "3", "--activation-cache-max-bytes", "64MiB",
+                                      "--redis-key-model", "svc"])
+    config = EngineConfig.from_args(args)
+    assert config.activations.active and config.activations.max_bytes == 64 * 1024**2
+    again = EngineConfig.from_args(build_parser().parse_args(["serve-shard", *config.to_flags()]))
+    assert again.activations == config.activations
+    off = build_parser().parse_args(["serve-shard", "--model", "m", "--redis-url", "redis://h:1/0",
+                                     "--no-activation-cache"])
+    assert not EngineConfig.from_args(off).activations.active
+    for flags, field in ((["--activation-cache-max-bytes", "0.5"], "--activation-cache-max-bytes"),
+                         (["--redis-url", "http://x"], "--redis-url"),
+                         (["--redis-key-model", "a{b}"], "--redis-key-model")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.from_args(build_parser().parse_args(["serve-shard", "--model", "m", "--redis-url",
+                                                              "redis://h:1/0", *flags]))
+
+
+def test_deleting_the_model_removes_its_entries(demo_model, redis_url):
+    """What the operator's finalizer does when an InferenceService goes: every key of the
+    activation cache (entries, prompt counters, byte budget) is under kubeshard:<name>:."""
+    from kubeshard_operator.cleanup import delete_model_keys
+
+    populate(engine(demo_model(), redis_url, key_model="tiny-svc"), [PREFIX + TAILS[0]])
+    client = redis.Redis.from_url(redis_url)
+    client.set("kubeshard:other:main:cache:x", "keep")
+    ours = [k for k in client.scan_iter(match="kubeshard:tiny-svc:*")]
+    assert len(ours) == 12 + 1 + 2                              # entries, the prompt counts, the budget
+    assert delete_model_keys(redis_url, "tiny-svc") == len(ours)
+    assert [k for k in client.scan_iter()] == [b"kubeshard:other:main:cache:x"]
+    client.close()

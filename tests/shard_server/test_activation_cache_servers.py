@@ -75,7 +75,7 @@ def test_a_fresh_server_skips_the_prefill_of_a_1000_token_prefix_in_redis(demo_m
         fresh.stop()
 
 
-def test_off_by_flag_or_without_a_redis_url(demo_model, redis_url):
+def test_off_by_flag(demo_model, redis_url):
     model = demo_model()
     off = start_shard(model, *FLAGS, "--redis-url", redis_url, "--no-activation-cache")
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
 import xxhash
 
@@ -36,12 +37,18 @@ class EntryRejected(ValueError):
         self.reason = reason
 
 
-def encode(layout: KVLayout, block_hash: int, block: torch.Tensor) -> bytes:
-    """``block``: a contiguous CPU tensor of ``layout.block_shape`` and dtype."""
-    if tuple(block.shape) != layout.block_shape or block.dtype != layout.dtype or block.device.type != "cpu":
-        raise ValueError(f"block {tuple(block.shape)} {block.dtype} on {block.device} does not match "
-                         f"{layout.block_shape} {layout.dtype}")
-    payload = block.contiguous().view(torch.uint8).numpy().data
+def encode(layout: KVLayout, block_hash: int, block) -> bytes:
+    """``block``: the block's bytes (C order), or a CPU tensor of ``layout.block_shape``
+    and dtype."""
+    if isinstance(block, torch.Tensor):
+        if tuple(block.shape) != layout.block_shape or block.dtype != layout.dtype or block.device.type != "cpu":
+            raise ValueError(f"block {tuple(block.shape)} {block.dtype} on {block.device} does not match "
+                             f"{layout.block_shape} {layout.dtype}")
+        block = block.contiguous().view(torch.uint8).numpy()
+    payload = memoryview(block).cast("B")
+    if payload.nbytes != layout.block_bytes:
+        raise ValueError(f"a block of {layout.block_shape} {layout.dtype} has {layout.block_bytes} bytes, "
+                         f"not {payload.nbytes}")
     header = HEADER.pack(MAGIC, VERSION, DTYPE_CODES[layout.dtype], 0, layout.num_layers, layout.block_size,
                          layout.num_kv_heads, layout.head_dim, payload.nbytes, layout.digest,
                          block_hash.to_bytes(16, "little"), xxhash.xxh3_64_intdigest(payload))
@@ -69,10 +76,15 @@ def decode(value: bytes, layout: KVLayout, block_hash: int) -> memoryview:
     return payload
 
 
-def as_block(payload: memoryview, layout: KVLayout) -> torch.Tensor:
-    """A read-only view of a decoded payload as [layers, 2, block size, KV heads, head dim]."""
-    import warnings
+SAME_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-    with warnings.catch_warnings():  # frombuffer warns that the bytes are not writable; we only read
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=layout.dtype).view(layout.block_shape)
+
+def as_array(payload: memoryview, layout: KVLayout) -> np.ndarray:
+    """A read-only view of a decoded payload, [layers, 2, block size, KV heads, head dim],
+    as integers of the dtype's size (the bits, for copying; numpy has no bfloat16)."""
+    return np.frombuffer(payload, dtype=SAME_SIZE[layout.element_size]).reshape(layout.block_shape)
+
+
+def as_block(payload: memoryview, layout: KVLayout) -> torch.Tensor:
+    """A decoded payload as a tensor of the layout's dtype (a copy)."""
+    return torch.from_numpy(as_array(payload, layout).copy()).view(layout.dtype)

@@ -253,6 +253,7 @@ class ActivationCache:
             if not f.gave_up and now >= f.deadline:
                 f.gave_up = True
                 self._stats.timeouts += 1
+                self.worker.tier.too_slow("fetch", now - f.started)  # the next requests do not wait
                 ready += [(f.lane, s) for s in f.waiters]
                 f.waiters = []
         return ready

@@ -105,6 +105,10 @@ class RedisTier:
             log.info("activation cache: Redis at %s is back", redact(self.url))
         return result
 
+    def too_slow(self, op: str, waited_s: float) -> None:
+        """A caller gave up waiting: skip Redis for ``retry_s`` as after a failure."""
+        self._failed(op, TimeoutError(f"no answer within {waited_s:.2f}s"))
+
     def _failed(self, op: str, exc: BaseException) -> None:
         self.errors += 1
         self._down_until = time.monotonic() + self.retry_s

@@ -69,6 +69,13 @@ class KVCache:
         bs = self.block_size
         return self.data[:, :, block_id * bs:(block_id + 1) * bs]
 
+    def host_view(self):
+        """The pool as a numpy array of same-size integers (CPU pools only): blocks are
+        copied in and out with numpy, which copies in the calling thread without waking
+        torch's thread pool (the activation cache's workers run beside the engine)."""
+        same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[self.data.element_size()]
+        return self.data.view(same_size).numpy()
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy [n, layers, 2, block_size, Hkv, D] of the given blocks."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
