@@ -68,7 +68,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU GEMM library (auto: oneDNN where it is faster and this CPU has the dtype's kernels)")
     g.add_argument("--no-cpu-kernels", action="store_true",
-                   help="serve decode attention with torch instead of the compiled CPU kernel")
+                   help="serve decode attention and GEMMs with torch instead of the compiled CPU kernels")
+    g.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "gguf"],
+                   help="weight-only quantization at load, CPU: int8 per channel, int4 per group, or gguf "
+                        "(keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized)")
+    g.add_argument("--quantize-group-size", type=int, default=32, choices=[32, 64],
+                   help="values per int4 group (one float16 scale and minimum each)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
+                   help="what the KV pool stores (auto: the model's dtype; int8: one scale per token and head, "
+                        "about twice bfloat16's tokens in the same memory; fp8 needs FP8 hardware)")
     g.add_argument("--lora-adapter", action="append", metavar="NAME=FOLDER",
                    help="a PEFT LoRA adapter to serve as NAME (repeatable; requests pick it by name)")
     g.add_argument("--enable-lora", action="store_true",

@@ -1,15 +1,20 @@
 """How this process computes, resolved once from the config and the machine.
 
 ``resolve_compute`` picks the device (a group's rank takes its own GPU), the dtype, the
-GEMM path and the decode-attention kernel, and the model runner and layers receive the
-result; nothing decides these later from globals or the environment.
+GEMM path, the decode-attention kernel and the weight quantization, and the model runner
+and layers receive the result; nothing decides these later from globals or the
+environment. A choice this machine cannot serve (a quantization on CUDA or without the
+CPU kernels, say) fails here, at start, naming the flag.
 
 The GEMM: oneDNN's fused linear (the kernel torch.compile's CPU backend calls) runs
 float32 GEMMs about 2x faster than the MKL path ``F.linear`` takes on AMD CPUs, where
 MKL falls back to generic code. Its bfloat16 kernels need AVX-512 BF16 or AMX: on
 other CPUs oneDNN cannot even build the primitive, so bfloat16 goes through
 ``F.linear`` there (slower, and it works on every x86-64 CPU). Each choice is checked
-once against ``F.linear`` on a small product before it is used.
+once against ``F.linear`` on a small product before it is used. Under oneDNN, products
+of a few rows (decode at small batch) go through our float32 kernel
+(``engine/csrc/gemm.cpp``), which streams the weight at memory speed where oneDNN's
+matrix-vector path does not.
 """
 
 from __future__ import annotations
@@ -44,6 +49,24 @@ def onednn_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+# Rows of x up to which our float32 kernel beats oneDNN (measured on AVX2 machines:
+# bench/results/cpu-kernels.md).
+SMALL_ROWS = 4
+
+
+class SmallBatchGemm:
+    """Our float32 kernel for products of at most ``SMALL_ROWS`` rows, ``large`` above."""
+
+    def __init__(self, kernels, large: Gemm) -> None:
+        self.kernel, self.large = kernels.gemm_f32, large
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and weight.is_contiguous() and x.device.type == "cpu"):
+            return self.kernel(x.contiguous(), weight, bias)
+        return self.large(x, weight, bias)
+
+
 @dataclass(frozen=True)
 class Compute:
     device: torch.device
@@ -52,6 +75,14 @@ class Compute:
     gemm_name: str                      # "onednn" or "torch" (for logs and Info)
     decode_kernel: Callable | None      # the compiled CPU decode attention, if any
     cpu: CpuFeatures
+    kernels: object | None = None       # the CPU kernels' module (GEMMs, quantized GEMMs), if built
+    quantize: str = "none"              # weight quantization (models/quant.py)
+    quantize_group_size: int = 32
+    kv_dtype: torch.dtype | None = None  # what the KV pool stores (None: ``dtype``)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 def resolve_device(name: str, placement: Placement | None = None) -> torch.device:
@@ -110,10 +141,49 @@ def configure_threads(num_threads: int | None) -> None:
     torch.set_num_threads(num_threads or available)
 
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, cpu: CpuFeatures) -> torch.dtype:
+    """The KV pool's type for ``--kv-cache-dtype``; fp8 fails here, naming the hardware
+    it needs."""
+    if name == "auto":
+        return dtype
+    if name == "fp8":
+        if device.type == "cpu":
+            raise ValueError(f"--kv-cache-dtype fp8 needs FP8 arithmetic, which this CPU ({cpu.describe()}) does not "
+                             "have; use --kv-cache-dtype int8 (one scale per token and head, the same memory)")
+        raise ValueError("--kv-cache-dtype fp8 is not implemented for CUDA pools yet; use int8, bfloat16 or float16")
+    return KV_DTYPES[name]
+
+
+def check_quantize(config: EngineConfig, device: torch.device, dtype: torch.dtype, cpu: CpuFeatures,
+                   built) -> None:
+    """Whether ``--quantize`` can serve here; a ValueError naming it otherwise."""
+    if config.quantize == "none":
+        return
+    what = f"--quantize {config.quantize}"
+    if device.type != "cpu":
+        raise ValueError(f"{what}: weight-only int8/int4 kernels are CPU kernels; on CUDA serve bfloat16 or "
+                         "float16 (--quantize none)")
+    if dtype != torch.float32:
+        raise ValueError(f"{what} computes in float32 (its kernels take float32 activations); got --dtype "
+                         f"{str(dtype).removeprefix('torch.')}: use --dtype float32 or auto")
+    if not config.cpu_kernels:
+        raise ValueError(f"{what} needs the compiled CPU kernels, and --no-cpu-kernels turns them off")
+    if built is None:
+        raise ValueError(f"{what} needs the compiled CPU kernels, which could not be built on this machine "
+                         "(a C++ compiler and ninja; see the log)")
+    if "avx2" not in cpu.flags and cpu.flags and not any(f in cpu.flags for f in ("asimd", "neon")):
+        log.warning("%s: this CPU (%s) has no AVX2: the int8/int4 kernels run their portable loops, slower "
+                    "than float32", what, cpu.describe())
+
+
 def resolve_compute(config: EngineConfig, model_config: ModelConfig,
                     placement: Placement | None = None) -> Compute:
-    """Resolves the device, dtype, GEMM and decode kernel; builds the kernel now (a first
-    build takes a while, so a group member does this before joining its peers)."""
+    """Resolves the device, dtype, GEMM, decode kernel and quantization; builds the
+    kernels now (a first build takes a while, so a group member does this before joining
+    its peers)."""
     device = resolve_device(config.device, placement)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -122,10 +192,16 @@ def resolve_compute(config: EngineConfig, model_config: ModelConfig,
     dtype = resolve_dtype(config.dtype, model_config, device)
     cpu = CpuFeatures.detect()
     gemm, gemm_name = choose_gemm(config.cpu_gemm, device, dtype, cpu)
-    kernel = None
-    if device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels:
-        kernel = kernels.load()
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, cpu)
+    # built for float32 and the quantized paths only: other dtypes serve without them
+    wanted = device.type == "cpu" and config.cpu_kernels and (dtype == torch.float32 or config.quantize != "none")
+    built = kernels.module() if wanted else None
+    check_quantize(config, device, dtype, cpu, built)
+    kernel = built.paged_decode_scaled if built is not None else None
+    if built is not None and dtype == torch.float32 and config.cpu_gemm == "auto" and gemm_name == "onednn":
+        gemm, gemm_name = SmallBatchGemm(built, gemm), "kubeshard+onednn"
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.native_bf16:
         log.warning("this CPU (%s) has no native bfloat16 arithmetic: bfloat16 runs on the portable path, "
                     "slower than float32 here", cpu.describe())
-    return Compute(device, dtype, gemm, gemm_name, kernel, cpu)
+    return Compute(device, dtype, gemm, gemm_name, kernel, cpu, built, config.quantize, config.quantize_group_size,
+                   kv_dtype)

@@ -18,6 +18,9 @@ from typing import Any, Mapping
 STRATEGIES = ("tensor", "zero3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_GEMMS = ("auto", "onednn", "torch")
+QUANTIZE_METHODS = ("none", "int8", "int4", "gguf")
+QUANTIZE_GROUP_SIZES = (32, 64)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -134,6 +137,12 @@ class EngineConfig:
     # which library runs the GEMMs (auto: oneDNN where it is faster and works for the dtype).
     cpu_kernels: bool = True
     cpu_gemm: str = "auto"
+    # weight-only quantization at load (models/quant.py): none, int8, int4 or gguf (keep a
+    # GGUF file's Q8_0/Q4_0/Q4_1), and the int4 group size
+    quantize: str = "none"
+    quantize_group_size: int = 32
+    # what the KV pool stores (auto: the model's dtype; int8: one scale per token and head)
+    kv_cache_dtype: str = "auto"
     activations: ActivationCacheConfig = ActivationCacheConfig()
     # LoRA: adapters loaded at start ((name, folder) pairs), runtime loading, slots and rank
     lora_adapters: tuple[tuple[str, str], ...] = ()
@@ -161,6 +170,14 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"--cpu-gemm must be one of {', '.join(CPU_GEMMS)}; got '{self.cpu_gemm}'")
+        if self.quantize not in QUANTIZE_METHODS:
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_METHODS)}; got '{self.quantize}'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got '{self.kv_cache_dtype}'")
+        if self.quantize_group_size not in QUANTIZE_GROUP_SIZES:
+            raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, QUANTIZE_GROUP_SIZES))}; "
+                             f"got {self.quantize_group_size}")
         names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-adapter names must be unique; got {', '.join(names)}")
@@ -192,6 +209,9 @@ class EngineConfig:
             num_threads=args.num_threads,
             cpu_kernels=not args.no_cpu_kernels,
             cpu_gemm=args.cpu_gemm,
+            quantize=getattr(args, "quantize", "none"),
+            quantize_group_size=getattr(args, "quantize_group_size", 32),
+            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             activations=ActivationCacheConfig.from_args(args, getattr(args, "redis_url", None)),
             lora_adapters=tuple(parse_lora_adapter(a) for a in getattr(args, "lora_adapter", None) or ()),
             enable_lora=getattr(args, "enable_lora", False),
@@ -205,7 +225,8 @@ class EngineConfig:
                "--dtype", self.dtype, "--device", self.device, "--max-batch-tokens", str(self.max_batch_tokens),
                "--max-concurrent-requests", str(self.max_concurrent_requests),
                "--max-num-seqs", str(self.max_num_seqs), "--block-size", str(self.block_size),
-               "--cpu-gemm", self.cpu_gemm]
+               "--cpu-gemm", self.cpu_gemm, "--quantize", self.quantize,
+               "--quantize-group-size", str(self.quantize_group_size), "--kv-cache-dtype", self.kv_cache_dtype]
         for flag, value in (("--max-input-tokens", self.max_input_tokens),
                             ("--max-total-tokens", self.max_total_tokens),
                             ("--kv-cache-memory", self.kv_cache_memory.text if self.kv_cache_memory else None),

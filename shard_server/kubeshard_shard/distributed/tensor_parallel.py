@@ -14,7 +14,6 @@ Each parallel layer reads from the checkpoint only the rows or columns it keeps.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kubeshard_shard.distributed.comm import Comm
 from kubeshard_shard.models.config import ModelConfig
@@ -109,7 +108,7 @@ class VocabParallelEmbedding(Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside[:, None], 0.0)
         return self.comm.all_reduce(out)
 

@@ -13,9 +13,10 @@ What maps to what:
   the pre-tokenizer named by ``tokenizer.ggml.pre``), the chat template from
   ``tokenizer.chat_template``, BOS/EOS from their ids.
 
-Keeping quantized weights quantized in memory is a separate concern: here every
-quantized tensor becomes float32 (F16 and BF16 stay as they are) and the engine casts
-to the requested dtype when it loads.
+Every quantized tensor becomes float32 here (F16 and BF16 stay as they are) and the
+engine casts to the requested dtype when it loads; the folder also lists each tensor's
+GGUF type (``gguf_tensor_types.json``), so that ``--quantize gguf`` packs Q8_0, Q4_0 and
+Q4_1 weights back into the very same bytes (``models.quant``) and keeps them so.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from kubeshard_shard.paths import build_once
 log = logging.getLogger(__name__)
 
 # Bump when the written folder changes, so older conversions are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+TENSOR_TYPES_FILE = "gguf_tensor_types.json"  # Hugging Face tensor name -> GGUF type
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TOKENIZER_MODELS = ("gpt2",)
@@ -139,8 +141,9 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-def hf_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (Hugging Face name, dequantized array) for every tensor the model uses."""
+def hf_tensors(reader, config: dict, types: dict[str, str] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (Hugging Face name, dequantized array) for every tensor the model uses;
+    records each one's GGUF type in ``types``."""
     from gguf import GGMLQuantizationType, quants
 
     permute = config["model_type"] == "llama"
@@ -154,6 +157,8 @@ def hf_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
         if qtype.name not in QUANT_TYPES:
             raise CheckpointError(f"GGUF tensor {t.name} has quantization type {qtype.name}, which is not "
                                   f"supported; supported: {', '.join(QUANT_TYPES)}")
+        if types is not None:
+            types[name] = qtype.name
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists the fastest dimension first
         try:
             values = quants.dequantize(t.data, qtype) if qtype.name not in ("F32", "F16") else np.asarray(t.data)
@@ -230,12 +235,15 @@ def convert(path: Path, out: Path) -> None:
     reader = open_gguf(path)
     config = hf_config(reader)
     tokenizer_json, tokenizer_config = hf_tokenizer(reader)
-    tensors = {name: torch.from_numpy(np.array(values, copy=True)) for name, values in hf_tensors(reader, config)}
+    types: dict[str, str] = {}
+    tensors = {name: torch.from_numpy(np.array(values, copy=True))
+               for name, values in hf_tensors(reader, config, types)}
     if "model.embed_tokens.weight" not in tensors:
         raise CheckpointError(f"{path}: the GGUF file has no token_embd.weight")
     out.mkdir(parents=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / TENSOR_TYPES_FILE).write_text(json.dumps(types, indent=2, sort_keys=True))
     (out / "tokenizer.json").write_text(tokenizer_json)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}

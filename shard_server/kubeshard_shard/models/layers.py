@@ -40,6 +40,29 @@ def bind_gemm(model: nn.Module, gemm) -> None:
             module.set_gemm(gemm)
 
 
+class UsesCpuKernels:
+    """A layer with a fused CPU kernel (``engine/csrc/fused.cpp``: RMSNorm with its
+    residual, rotary in place, SwiGLU): the torch ops until ``bind_kernels`` hands it the
+    process's compiled module, and wherever the kernel does not apply (CUDA tensors)."""
+
+    kernels = None
+
+    def set_kernels(self, kernels) -> None:
+        self.kernels = kernels
+
+    def fused(self, x: torch.Tensor):
+        """The kernels' module when it serves ``x``, else None."""
+        k = self.kernels
+        return k if k is not None and x.device.type == "cpu" else None
+
+
+def bind_kernels(model: nn.Module, kernels) -> None:
+    """Gives every layer with a fused CPU path the process's kernels' module (or None)."""
+    for module in model.modules():
+        if isinstance(module, UsesCpuKernels):
+            module.set_kernels(kernels)
+
+
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
@@ -94,7 +117,11 @@ class MergedLinear(Linear):
 
 
 class Embedding(nn.Module):
-    """Token embedding with the full table on every rank."""
+    """Token embedding with the full table on every rank. Rows are read through
+    ``lookup`` (``F.embedding``), which a quantized table replaces with one that
+    dequantizes the rows it reads (``models.quant``)."""
+
+    lookup = staticmethod(F.embedding)
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -105,8 +132,11 @@ class Embedding(nn.Module):
     def load_weight(self, name: str, param: torch.Tensor, tensor_slice, shard_id=None) -> None:
         default_load_weight(name, param, tensor_slice)
 
+    def set_lookup(self, lookup) -> None:
+        self.lookup = lookup
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return self.lookup(ids, self.weight)
 
 
 class LMHead(UsesGemm, Embedding):
@@ -116,7 +146,7 @@ class LMHead(UsesGemm, Embedding):
         return self.gemm(hidden, self.weight)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesCpuKernels, nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -128,6 +158,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalizes ``x`` (+ ``residual`` when given, returned as the new residual).
         Computed in float32 like the reference implementation, then cast back."""
+        k = self.fused(x)
+        if k is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            out, total = k.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, total)
         if residual is not None:
             x = x + residual
             residual = x
@@ -160,7 +194,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling,
     return inv
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(UsesCpuKernels, nn.Module):
     """Rotary position embedding (non-interleaved halves, as in the HF Llama code).
 
     cos/sin are tabulated per position once; a lookup by position id is exactly what the
@@ -184,7 +218,12 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(device=device, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies (with the fused kernel: q and k
+        themselves, rotated in place -- views of a projection's fresh output)."""
+        kernels = self.fused(q)
+        if kernels is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            kernels.rope_(q, k, positions.contiguous(), self.cos_sin)
+            return q, k
         cos = self.cos_sin[0].index_select(0, positions).unsqueeze(1)
         sin = self.cos_sin[1].index_select(0, positions).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubeshard_shard.models.config import ModelConfig
-from kubeshard_shard.models.layers import Embedding, Linear, LMHead, MergedLinear, RMSNorm, RotaryEmbedding
+from kubeshard_shard.models.layers import (Embedding, Linear, LMHead, MergedLinear, RMSNorm, RotaryEmbedding,
+                                           UsesCpuKernels)
 
 
 class AttentionBackend(Protocol):
@@ -49,7 +50,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, q_size))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(UsesCpuKernels, nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         i = config.intermediate_size
@@ -57,7 +58,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(i, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        k = self.fused(gate_up)
+        if k is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return self.down_proj(k.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from kubeshard_shard.models.config import CheckpointError, ModelConfig
-from kubeshard_shard.models.layers import bind_gemm
+from kubeshard_shard.models.layers import bind_gemm, bind_kernels
 from kubeshard_shard.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,10 @@ class _CheckedSlice:
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-                sharding: ShardingPass | None = None, gemm=None) -> LlamaForCausalLM:
+                sharding: ShardingPass | None = None, gemm=None, kernels=None) -> LlamaForCausalLM:
     """Builds the model on the meta device, applies a sharding pass, then allocates
-    (uninitialized) parameters on ``device``; ``gemm`` is the process's GEMM."""
+    (uninitialized) parameters on ``device``; ``gemm`` is the process's GEMM, ``kernels``
+    its compiled CPU kernels (fused layer steps), if any."""
     cls = MODEL_REGISTRY[config.family]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -111,6 +112,7 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, m
     model.rotary.materialize(device, dtype)
     if gemm is not None:
         bind_gemm(model, gemm)
+    bind_kernels(model, kernels)
     model.eval()
     return model
 
@@ -160,11 +162,12 @@ def load_weights(model: LlamaForCausalLM, checkpoint: SafetensorsCheckpoint) -> 
 
 
 def load_model(model_dir: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               max_positions: int = 4096, sharding: ShardingPass | None = None, gemm=None) -> LlamaForCausalLM:
+               max_positions: int = 4096, sharding: ShardingPass | None = None, gemm=None,
+               kernels=None) -> LlamaForCausalLM:
     """Builds the model and fills it from the checkpoint (all of it, or the share
     ``sharding`` keeps)."""
     checkpoint = SafetensorsCheckpoint.open(model_dir)
-    model = build_model(config, device, dtype, max_positions, sharding, gemm)
+    model = build_model(config, device, dtype, max_positions, sharding, gemm, kernels)
     if sharding is not None:
         sharding.load_weights(model, checkpoint)
     else:

@@ -100,6 +100,25 @@ def kv_cache_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_head
     return int(num_blocks)
 
 
+def check_quantize_strategy(config: EngineConfig, strategy: Strategy) -> None:
+    if config.quantize != "none" and strategy.name == "zero3" and strategy.shards > 1:
+        raise ValueError(f"--quantize {config.quantize} is not available with --strategy zero3: its flat "
+                         "partitions hold one float dtype; use --strategy tensor (each rank packs its slice)")
+
+
+def quantize_weights(config: EngineConfig, compute: Compute, model) -> None:
+    """Packs the weights for ``--quantize`` (``models.quant``), once they are loaded."""
+    if config.quantize == "none":
+        return
+    from kubeshard_shard.models.quant import quantize_model
+
+    chosen = quantize_model(model, config.quantize, config.quantize_group_size, compute.kernels, compute.gemm,
+                            config.model_dir)
+    if not chosen:
+        raise ValueError(f"--quantize {config.quantize}: no layer of {config.model_dir} can be packed "
+                         "(for gguf: the file holds no Q8_0, Q4_0 or Q4_1 projection)")
+
+
 def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute) -> AdapterRegistry | None:
     """The LoRA adapter registry (None when LoRA is off), with the start-up adapters loaded."""
     if not (config.enable_lora or config.lora_adapters):
@@ -127,6 +146,10 @@ def build_cache_worker(config: EngineConfig, model_config: ModelConfig, strategy
     if not config.enable_prefix_caching:
         log.warning("activation cache off: it shares prefix-cache blocks, and --no-prefix-caching is set")
         return None
+    if cache.quantized:
+        log.warning("activation cache off: an int8 KV pool keeps scales beside its blocks, which it does not move "
+                    "(--kv-cache-dtype int8)")
+        return None
     layout = KVLayout.for_rank(act.key_model or config.model_id, config.revision, dtype, config.block_size,
                                model_config.num_hidden_layers, cache.num_kv_heads, model_config.head_dim,
                                strategy.name, strategy.shards, strategy.rank)
@@ -149,26 +172,31 @@ def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
     tokenizer = load_tokenizer(config.model_dir, model_config)
     limits = resolve_limits(config, model_config)
     strategy.check(model_config)
+    check_quantize_strategy(config, strategy)
     model = load_model(config.model_dir, model_config, compute.device, compute.dtype,
-                       max_positions=limits.max_total_tokens, sharding=strategy, gemm=compute.gemm)
+                       max_positions=limits.max_total_tokens, sharding=strategy, gemm=compute.gemm,
+                       kernels=compute.kernels)
+    quantize_weights(config, compute, model)
     kv_heads = strategy.kv_heads(model_config)
     # every rank of a group uses the same pool size
-    num_blocks = strategy.agree_blocks(kv_cache_blocks(config, model_config, kv_heads, compute.dtype,
+    num_blocks = strategy.agree_blocks(kv_cache_blocks(config, model_config, kv_heads, compute.cache_dtype,
                                                        compute.device, limits))
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
-                    model_config.head_dim, compute.dtype, compute.device)
+                    model_config.head_dim, compute.cache_dtype, compute.device, compute.kernels)
     runner = ModelRunner(model, cache, compute.device, compute.decode_kernel, build_lora(config, strategy, model, compute))
     lanes = [Lane.create(i, num_blocks, config.block_size, config.enable_prefix_caching, config.max_batch_tokens,
                          config.max_num_seqs) for i in range(strategy.lanes)]
-    worker = build_cache_worker(config, model_config, strategy, cache, compute.dtype)
+    worker = build_cache_worker(config, model_config, strategy, cache, compute.cache_dtype)
     coordinator = None
     if worker is not None and strategy.rank == 0:
         coordinator = ActivationCache(config.activations, worker, lambda ops: strategy.exchange_cache(ops, worker),
                                       config.block_size)
     engine = LLMEngine(runner, tokenizer, lanes, strategy, coordinator)
-    log.info("loaded %s (%s, %s on %s, GEMM %s, decode kernel %s): %d KV blocks of %d tokens; limits input %d, "
-             "total %d", config.model_id, model_config.architecture, str(compute.dtype).removeprefix("torch."),
-             compute.device, compute.gemm_name, "on" if compute.decode_kernel else "off", num_blocks,
-             config.block_size, limits.max_input_tokens, limits.max_total_tokens)
+    log.info("loaded %s (%s, %s%s on %s, GEMM %s, decode kernel %s): %d KV blocks of %d tokens (%s); limits "
+             "input %d, total %d", config.model_id, model_config.architecture,
+             str(compute.dtype).removeprefix("torch."),
+             f", weights {config.quantize}" if config.quantize != "none" else "", compute.device, compute.gemm_name,
+             "on" if compute.decode_kernel else "off", num_blocks, config.block_size,
+             str(cache.dtype).removeprefix("torch."), limits.max_input_tokens, limits.max_total_tokens)
     return ServedModel(engine, config, model_config, tokenizer, limits, compute, num_blocks, strategy,
                        strategy.parameter_bytes(model), worker)

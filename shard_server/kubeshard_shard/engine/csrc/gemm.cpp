@@ -1,0 +1,429 @@
+// GEMMs for the few rows of a decode step: y[M, N] = x[M, K] W[N, K]^T (+ bias), with W
+// in float32, int8 (per-row or per-group scales) or packed int4 (per-group scales and
+// minimums).
+//
+// Why our own: at one to a few rows a GEMM is a matrix-vector product bound by how fast
+// W streams from memory, and the library paths either do not stream at that speed
+// (oneDNN's float32 linear at M = 1 on this project's AMD machines) or are slow outright:
+// torch 2.15's CPU `_weight_int8pack_mm` took 9.9 ms and a bfloat16 matmul 13 ms for a
+// 1x576 by 576x1536 product that float32 does in 0.16 ms, and there is no int4 CPU path
+// for these layouts at all. So each kernel reads every weight byte once, with the rows
+// of x kept in registers/L1 while a tile of W rows streams past them.
+//
+// The quantized kernels work much as llama.cpp's do: x is quantized per 32 values (to
+// int16 here, see QuantX), and each 32-value block of a row is an integer dot product
+// scaled once in float. Layouts:
+// - q8: int8 [N, K], float16 scales [N, K / G] (G = K: per output channel; G = 32: GGUF Q8_0)
+// - q4: uint8 [N, K / 2], each 32 values in 16 bytes as GGUF packs them (byte j holds
+//   value j in its low nibble and value j + 16 in its high one), float16 scales d and
+//   minimums m [N, K / G]: w = d * q + m (GGUF Q4_1; Q4_0 is m = -8 d).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "simd.h"
+
+namespace ks {
+
+constexpr int64_t KS_PREFETCH = 512;  // bytes ahead in each weight row
+
+// ---------------------------------------------------------------------------- float32
+template <int MR, int NR>
+static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
+#if defined(KS_AVX2)
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float s = hsum256(acc[m][n]);
+      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * w[n * K + t];
+      y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
+    }
+#else
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float s = 0.f;
+      for (int64_t t = 0; t < K; ++t) s += x[m * K + t] * w[n * K + t];
+      y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
+    }
+#endif
+}
+
+// Runs `tile<MR, NR>` over rows [n0, n1) of W for every row of x, in chunks of MR rows
+// of x (a tile of W stays in L1 while the chunks pass over it).
+#define KS_FOR_TILES(NR, MR_MAX, CALL)                                             \
+  for (int64_t n0_ = n0; n0_ < n1; n0_ += NR) {                                      \
+    if (n0_ + NR > n1) { /* the last, partial tile: one row of W at a time */       \
+      for (int64_t n = n0_; n < n1; ++n)                                             \
+        for (int64_t m = 0; m < M; ++m) CALL(1, 1);                                  \
+      continue;                                                                      \
+    }                                                                                \
+    const int64_t n = n0_;                                                           \
+    for (int64_t m = 0; m < M;) {                                                    \
+      const int64_t left = M - m;                                                    \
+      if (left >= 4 && MR_MAX >= 4) { CALL(4, NR); m += 4; }                         \
+      else if (left >= 3 && MR_MAX >= 3) { CALL(3, NR); m += 3; }                    \
+      else if (left >= 2) { CALL(2, NR); m += 2; }                                   \
+      else { CALL(1, NR); m += 1; }                                                  \
+    }                                                                                \
+  }
+
+static void check_2d(const at::Tensor& t, const char* what, at::ScalarType type) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == type && t.device().is_cpu(), what,
+              ": expected a contiguous 2-d CPU tensor of ", c10::toString(type));
+}
+
+at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  check_2d(x, "gemm_f32 x", at::kFloat);
+  check_2d(w, "gemm_f32 weight", at::kFloat);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "gemm_f32: x has ", K, " columns, the weight ", w.size(1));
+  const float* b = nullptr;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "gemm_f32: bias must be ", N, " contiguous floats");
+    b = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t NR = 4;
+  const int64_t tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
+#define KS_CALL(mr, nr) f32_tile<mr, nr>(xp + m * K, K, wp + n * K, yp + m * N + n, N, b ? b + n : nullptr)
+    KS_FOR_TILES(NR, 3, KS_CALL)
+#undef KS_CALL
+  });
+  return y;
+}
+
+// ------------------------------------------------------------- x quantized per 32 values
+// x becomes int16 per 32 values (d = max |x| / 32767): a relative error of 1.5e-5 at most,
+// so what a quantized model computes differs from the float product of its weights by
+// far less than the weights' own rounding (int8 activations, llama.cpp's choice, moved
+// the default model's first answer token on one question in eight). The products are
+// 16 x 16-bit pairs summed to 32 bits (madd; dpwssd with VNNI): exact integers.
+struct QuantX {
+  std::vector<int16_t> q;  // [M, K]
+  std::vector<float> d;    // [M, K / 32] scale of each block
+  std::vector<float> sum;  // [M, K / 32] exact float sum of each block (int4 minimums)
+  std::vector<float> err;  // [M, K / 32] that sum less the sum of the quantized values
+  std::vector<float> gsum, gerr;  // the same two per group of G values (int4)
+
+  void group(int64_t M, int64_t K, int64_t G) {
+    const int64_t nb = K / 32, ng = K / G, bpg = G / 32;
+    gsum.assign(M * ng, 0.f);
+    gerr.assign(M * ng, 0.f);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        gsum[r * ng + b / bpg] += sum[r * nb + b];
+        gerr[r * ng + b / bpg] += err[r * nb + b];
+      }
+  }
+};
+
+static QuantX quantize_x(const float* x, int64_t M, int64_t K) {
+  QuantX out;
+  const int64_t nb = K / 32;
+  out.q.resize(M * K);
+  out.d.resize(M * nb);
+  out.sum.resize(M * nb);
+  out.err.resize(M * nb);
+  for (int64_t r = 0; r < M * nb; ++r) {
+    const float* v = x + r * 32;
+    float amax = 0.f, s = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::max(amax, std::fabs(v[i]));
+      s += v[i];
+    }
+    const float d = amax / 32767.f, id = d > 0.f ? 1.f / d : 0.f;
+    int16_t* q = out.q.data() + r * 32;
+    int32_t qs = 0;
+    for (int i = 0; i < 32; ++i) {
+      q[i] = static_cast<int16_t>(std::nearbyint(v[i] * id));
+      qs += q[i];
+    }
+    out.d[r] = d;
+    out.sum[r] = s;
+    out.err[r] = s - d * float(qs);
+  }
+  return out;
+}
+
+#if defined(KS_AVX2)
+// sum of w[i] * x[i] over 32 values: w as two vectors of 16 int16, x 32 int16 in memory.
+static inline __m256i dot32(__m256i wa, __m256i wb, const int16_t* x) {
+  const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+#if defined(KS_VNNI256)
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), wa, xa), wb, xb);
+#else
+  return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), wa, xa), wb, xb);
+#endif
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(wa, xa), _mm256_madd_epi16(wb, xb));
+#endif
+}
+#endif
+
+// ------------------------------------------------------------------------------ int8
+template <int MR, int NR>
+static void q8_tile(const QuantX& qx, int64_t m0, int64_t K, const int8_t* w, const uint16_t* ws, int64_t G,
+                    float* y, int64_t ldy, const float* bias) {
+  const int64_t nb = K / 32, ng = K / G, bpg = G / 32;
+  const int16_t* xq = qx.q.data() + m0 * K;
+  const float* dx = qx.d.data() + m0 * nb;
+#if defined(KS_AVX2)
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    float wsc[NR];
+    for (int n = 0; n < NR; ++n) wsc[n] = fp16_to_f32(ws[n * ng + g]);
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      __m256i wa[NR], wb[NR];
+      for (int n = 0; n < NR; ++n) {
+        const int8_t* p = w + n * K + b * 32;
+        // the rows stream from memory: ask for what comes 16 blocks on (the hardware
+        // prefetcher alone left this loop waiting on DRAM at well under its bandwidth)
+        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + KS_PREFETCH), _MM_HINT_T0);
+        wa[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        wb[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float d = dx[m * nb + b];
+        for (int n = 0; n < NR; ++n) {
+          const __m256i dot = dot32(wa[n], wb[n], xq + m * K + b * 32);
+          acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * wsc[n]), acc[m][n]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) y[m * ldy + n] = hsum256(acc[m][n]) + (bias ? bias[n] : 0.f);
+#else
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float s = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int i = 0; i < 32; ++i) dot += int32_t(xq[m * K + b * 32 + i]) * w[n * K + b * 32 + i];
+        s += float(dot) * dx[m * nb + b] * fp16_to_f32(ws[n * ng + b / bpg]);
+      }
+      y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
+    }
+#endif
+}
+
+// ------------------------------------------------------------------------------ int4
+// sum_i (d q_i + m) x_i with x_i ~ xq_i dx: the integer dots give d dx sum q_i xq_i; this
+// adds, per group, m times the exact sum of x and 8 d times (that sum less the sum of the
+// quantized x), which makes the error that of the centred d (q_i - 8).
+static inline float q4_min_terms(const uint16_t* d, const uint16_t* m, const float* gsum, const float* gerr,
+                                 int64_t ng) {
+  int64_t g = 0;
+  float t = 0.f;
+#if defined(KS_AVX2) && defined(__F16C__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; g + 8 <= ng; g += 8) {
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g)));
+    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gsum + g), acc);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(8.f)), _mm256_loadu_ps(gerr + g), acc);
+  }
+  t = hsum256(acc);
+#endif
+  for (; g < ng; ++g) t += fp16_to_f32(m[g]) * gsum[g] + 8.f * fp16_to_f32(d[g]) * gerr[g];
+  return t;
+}
+
+template <int MR, int NR>
+static void q4_tile(const QuantX& qx, int64_t m0, int64_t K, const uint8_t* w, const uint16_t* ws,
+                    const uint16_t* wm, int64_t G, float* y, int64_t ldy, const float* bias) {
+  const int64_t nb = K / 32, ng = K / G, bpg = G / 32, row = K / 2;
+  const int16_t* xq = qx.q.data() + m0 * K;
+  const float* dx = qx.d.data() + m0 * nb;
+  const float* gs = qx.gsum.data() + m0 * ng;
+  const float* ge = qx.gerr.data() + m0 * ng;
+#if defined(KS_AVX2)
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    float wsc[NR];
+    for (int n = 0; n < NR; ++n) wsc[n] = fp16_to_f32(ws[n * ng + g]);
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      __m256i wa[NR], wb[NR];
+      for (int n = 0; n < NR; ++n) {
+        const uint8_t* p = w + n * row + b * 16;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + KS_PREFETCH), _MM_HINT_T0);
+        // 16 bytes widened to 16 bits: the low nibbles are values 0..15, the high ones 16..31
+        const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        wa[n] = _mm256_and_si256(raw, low);
+        wb[n] = _mm256_srli_epi16(raw, 4);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float d = dx[m * nb + b];
+        for (int n = 0; n < NR; ++n) {
+          const __m256i dot = dot32(wa[n], wb[n], xq + m * K + b * 32);
+          acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * wsc[n]), acc[m][n]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n)
+      y[m * ldy + n] = hsum256(acc[m][n]) + q4_min_terms(ws + n * ng, wm + n * ng, gs + m * ng, ge + m * ng, ng) +
+                       (bias ? bias[n] : 0.f);
+#else
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float s = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        const uint8_t* p = w + n * row + b * 16;
+        for (int i = 0; i < 16; ++i) {
+          dot += int32_t(p[i] & 0x0F) * xq[m * K + b * 32 + i];
+          dot += int32_t(p[i] >> 4) * xq[m * K + b * 32 + 16 + i];
+        }
+        s += float(dot) * dx[m * nb + b] * fp16_to_f32(ws[n * ng + b / bpg]);
+      }
+      y[m * ldy + n] = s + q4_min_terms(ws + n * ng, wm + n * ng, gs + m * ng, ge + m * ng, ng) +
+                       (bias ? bias[n] : 0.f);
+    }
+#endif
+}
+
+static const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, const char* what) {
+  if (!bias || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, what,
+              ": bias must be ", N, " contiguous floats");
+  return bias->data_ptr<float>();
+}
+
+static void check_groups(int64_t K, int64_t G, int64_t groups, const char* what) {
+  TORCH_CHECK(K % 32 == 0 && G % 32 == 0 && K % G == 0 && groups == K / G, what, ": K (", K,
+              ") and the group size (", G, ") must be multiples of 32, G dividing K");
+}
+
+at::Tensor gemm_q8(at::Tensor x, at::Tensor w, at::Tensor scales, int64_t G,
+                      c10::optional<at::Tensor> bias) {
+  check_2d(x, "gemm_q8 x", at::kFloat);
+  check_2d(w, "gemm_q8 weight", at::kChar);
+  check_2d(scales, "gemm_q8 scales", at::kHalf);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && scales.size(0) == N, "gemm_q8: shapes do not match");
+  check_groups(K, G, scales.size(1), "gemm_q8");
+  const float* b = bias_ptr(bias, N, "gemm_q8");
+  auto y = at::empty({M, N}, x.options());
+  const QuantX qx = quantize_x(x.data_ptr<float>(), M, K);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t ng = K / G;
+  constexpr int64_t NR = 4;
+  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
+#define KS_CALL(mr, nr) q8_tile<mr, nr>(qx, m, K, wp + n * K, sp + n * ng, G, yp + m * N + n, N, b ? b + n : nullptr)
+    KS_FOR_TILES(NR, 2, KS_CALL)
+#undef KS_CALL
+  });
+  return y;
+}
+
+at::Tensor gemm_q4(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor mins, int64_t G,
+                      c10::optional<at::Tensor> bias) {
+  check_2d(x, "gemm_q4 x", at::kFloat);
+  check_2d(w, "gemm_q4 weight", at::kByte);
+  check_2d(scales, "gemm_q4 scales", at::kHalf);
+  check_2d(mins, "gemm_q4 minimums", at::kHalf);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) * 2 == K && scales.size(0) == N && mins.sizes() == scales.sizes(),
+              "gemm_q4: shapes do not match");
+  check_groups(K, G, scales.size(1), "gemm_q4");
+  const float* b = bias_ptr(bias, N, "gemm_q4");
+  auto y = at::empty({M, N}, x.options());
+  QuantX qx = quantize_x(x.data_ptr<float>(), M, K);
+  qx.group(M, K, G);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t ng = K / G;
+  constexpr int64_t NR = 4;
+  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
+#define KS_CALL(mr, nr) \
+  q4_tile<mr, nr>(qx, m, K, wp + n * (K / 2), sp + n * ng, mp + n * ng, G, yp + m * N + n, N, b ? b + n : nullptr)
+    KS_FOR_TILES(NR, 2, KS_CALL)
+#undef KS_CALL
+  });
+  return y;
+}
+
+// -------------------------------------------------------------------- dequantization
+// Rows `ids` of a quantized matrix as float32 [len(ids), K]: the embedding lookup of a
+// quantized (tied) table, and whole matrices for prefill-sized GEMMs. Computed as GGUF's
+// reference does (d * q, then + m, each rounded: no fused multiply-add), so a dequantized
+// table equals the one a GGUF conversion writes, bit for bit.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+at::Tensor dequant_rows(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t G,
+                           at::Tensor ids) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "dequant_rows: ids must be a contiguous int64 vector");
+  check_2d(scales, "dequant_rows scales", at::kHalf);
+  const bool q4 = w.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 || w.scalar_type() == at::kChar, "dequant_rows: int8 or packed uint8 weights");
+  TORCH_CHECK(!q4 || (mins && mins->defined()), "dequant_rows: packed int4 needs its minimums");
+  const int64_t N = w.size(0), K = q4 ? w.size(1) * 2 : w.size(1), R = ids.size(0), ng = K / G;
+  check_groups(K, G, scales.size(1), "dequant_rows");
+  auto out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(idp[r] >= 0 && idp[r] < N, "dequant_rows: row ", idp[r], " out of range");
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = idp[r];
+      float* o = op + r * K;
+      for (int64_t g = 0; g < ng; ++g) {
+        const float d = fp16_to_f32(sp[n * ng + g]);
+        if (q4) {
+          const float mn = fp16_to_f32(mp[n * ng + g]);
+          const uint8_t* p = w.data_ptr<uint8_t>() + n * (K / 2) + g * (G / 2);
+          for (int64_t b = 0; b < G / 32; ++b)
+            for (int i = 0; i < 16; ++i) {
+              o[g * G + b * 32 + i] = d * float(p[b * 16 + i] & 0x0F) + mn;
+              o[g * G + b * 32 + 16 + i] = d * float(p[b * 16 + i] >> 4) + mn;
+            }
+        } else {
+          const int8_t* p = w.data_ptr<int8_t>() + n * K + g * G;
+          for (int64_t i = 0; i < G; ++i) o[g * G + i] = d * float(p[i]);
+        }
+      }
+    }
+  });
+  return out;
+}
+#pragma GCC pop_options
+
+}  // namespace ks

@@ -1,0 +1,91 @@
+// Shared helpers of the CPU kernels: float16 <-> float32, horizontal sums, and which
+// instruction set the build targets. Every kernel has a portable scalar path; the
+// AVX2 + FMA (+ F16C) paths are what make them fast on x86-64, and the AVX-512 BW / VNNI
+// variants, where the compiler targets them (-march=native), replace the 256-bit dot
+// products with wider or fused ones that give the same integer results.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KS_AVX2 1
+#endif
+#if defined(KS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define KS_AVX512 1
+#endif
+#if defined(KS_AVX2) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define KS_VNNI256 1
+#endif
+
+namespace ks {
+
+static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400u)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays NaN).
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+#if defined(KS_AVX2)
+static inline float hsum256(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  lo = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, lo);
+  return _mm_cvtss_f32(_mm_add_ss(lo, sh));
+}
+
+// Sum of the products of 32 unsigned bytes (a) and 32 signed bytes (b), as 8 int32 lanes.
+// maddubs saturates its 16-bit pair sums: callers keep |a*b + a'*b'| below 32768.
+static inline __m256i dot_u8s8(__m256i a, __m256i b) {
+#if defined(KS_VNNI256)
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#endif
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+}  // namespace ks
