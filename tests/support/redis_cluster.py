@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 
-
 def _free_cluster_port() -> int:
     """A free port whose cluster-bus port (port + 10000) is free and valid too."""
     import random
@@ -48,7 +47,9 @@ class RedisCluster:
         """A seed node; the client finds the others."""
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, create: bool = True) -> None:
+        """Starts the nodes and (``create``) assigns them every slot; without it the
+        nodes run in cluster mode with no slot covered (a broken cluster)."""
         for port in self.ports:
             workdir = self.dir / str(port)
             workdir.mkdir()
@@ -67,12 +68,34 @@ class RedisCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"cluster node {port} did not start")
                 time.sleep(0.05)
+        if not create:
+            return
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
         while not all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO") for p in self.ports):
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not reach cluster_state:ok")
             time.sleep(0.1)
+
+    def node_of(self, key: str) -> int:
+        """The port of the node that holds ``key``'s slot."""
+        import redis
+
+        client = redis.Redis(port=self.ports[0])
+        try:
+            slot = client.cluster("keyslot", key)
+            for start, end, (_host, port, *_), *_ in client.cluster("slots"):
+                if start <= slot <= end:
+                    return int(port)
+        finally:
+            client.close()
+        raise RuntimeError(f"no node holds the slot of {key}")
+
+    def kill(self, port: int) -> None:
+        """Kills one node (SIGKILL): the others still list it as the owner of its slots."""
+        proc = self.procs[self.ports.index(port)]
+        proc.kill()
+        proc.wait(10)
 
     def keys(self) -> dict[int, list[bytes]]:
         """Every node's keys (port -> keys)."""
