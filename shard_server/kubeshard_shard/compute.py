@@ -180,17 +180,18 @@ def check_quantize(config: EngineConfig, device: torch.device, dtype: torch.dtyp
 
 
 def resolve_compute(config: EngineConfig, model_config: ModelConfig,
-                    placement: Placement | None = None) -> Compute:
+                    placement: Placement | None = None, cpu: CpuFeatures | None = None) -> Compute:
     """Resolves the device, dtype, GEMM, decode kernel and quantization; builds the
     kernels now (a first build takes a while, so a group member does this before joining
-    its peers)."""
+    its peers). ``cpu``: this machine's CPU features unless given (a plan for another
+    CPU, e.g. one with AVX2 only)."""
     device = resolve_device(config.device, placement)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         configure_threads(config.num_threads)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    cpu = CpuFeatures.detect()
+    cpu = cpu or CpuFeatures.detect()
     gemm, gemm_name = choose_gemm(config.cpu_gemm, device, dtype, cpu)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, cpu)
     # built for float32 and the quantized paths only: other dtypes serve without them
