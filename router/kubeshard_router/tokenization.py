@@ -8,6 +8,7 @@ variables; the rendered text is tokenized without adding special tokens again.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from typing import Any, Optional
@@ -99,6 +100,12 @@ class ModelTokenizer:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(source)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special added tokens (EOS, BOS, chat markers), as the shard
+        server's tokenizer marks them."""
+        return frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:

@@ -136,7 +136,7 @@ class ModelState:
                 self.info = info
             return
         tokenizer = await asyncio.to_thread(ModelTokenizer, info.tokenizer_json, info.tokenizer_config_json)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and digest != self._tokenizer_digest:  # (not a twin built meanwhile)
             log.warning("model %s: replica serves a different tokenizer (revision %s); switching to it",
                         self.name, info.revision)
         self.tokenizer, self._tokenizer_digest, self.info = tokenizer, digest, info

@@ -383,7 +383,7 @@ class _Decoder:
 
     def _token(self, token_id: int, text: str, logprob: float, tops: list) -> pb.Token:
         token = pb.Token(id=token_id, text=text, logprob=logprob, index=self.count,
-                         top_tokens=tops)
+                         top_tokens=tops, special=token_id in self.tokenizer.special_ids)
         self.count += 1
         self.last_id = token_id
         if not math.isnan(logprob):
