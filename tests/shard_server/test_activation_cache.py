@@ -294,9 +294,16 @@ def test_codec_round_trip_and_refusals():
 
 
 def test_layouts_and_keys():
-    full = KVLayout.for_rank("m", "r1", torch.float32, 16, 2, 4, 16, "zero3", 2, 1)
-    assert full.sharding == "full" == KVLayout.for_rank("m", "r1", torch.float32, 16, 2, 4, 16, "tensor", 1, 0).sharding
-    tp = KVLayout.for_rank("m", "r1", torch.float32, 16, 2, 2, 16, "tensor", 2, 1)
+    from kubeshard_shard.config import Placement
+    from kubeshard_shard.distributed.strategy import make_strategy
+
+    def layout(strategy: str, shards: int, rank: int, heads: int) -> KVLayout:
+        s = make_strategy(Placement(strategy=strategy, shards=shards, rank=rank))
+        return KVLayout.for_rank("m", "r1", torch.float32, 16, 2, heads, 16, s.splits_kv_heads, s.shards, s.rank)
+
+    full = layout("zero3", 2, 1, 4)
+    assert full.sharding == "full" == layout("tensor", 1, 0, 4).sharding
+    tp = layout("tensor", 2, 1, 2)
     assert tp.sharding == "tp2.r1" and tp.of_rank(2, 0).sharding == "tp2.r0"
     root, h = (1 << 127) | 5, 99
     assert tp.key(root, h) == f"kubeshard:m:r1:kv:float32:b16:tp2.r1:{{{root >> 64:016x}}}:{h:032x}"

@@ -23,6 +23,7 @@ on Redis:
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +38,8 @@ from kubeshard_shard.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from kubeshard_shard.engine.llm_engine import Lane
+
+log = logging.getLogger(__name__)
 
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 POLL_S = 0.002              # between status queries of ops other ranks still run
@@ -290,7 +293,11 @@ class ActivationCache:
         return [(f.lane, seq) for seq in f.waiters]
 
     def _plan_write(self, c: _Count) -> None:
-        result = c.result.result()
+        try:
+            result = c.result.result()
+        except Exception:  # noqa: BLE001 - a failed count skips the write; it never fails the step
+            log.exception("activation cache: counting the blocks of a prompt failed")
+            return
         if result is None:
             return
         bm = c.lane.block_manager

@@ -47,10 +47,11 @@ class KVLayout:
 
     @classmethod
     def for_rank(cls, model: str, revision: str, dtype: torch.dtype, block_size: int, num_layers: int,
-                 num_kv_heads: int, head_dim: int, strategy: str, shards: int, rank: int) -> "KVLayout":
-        """A tensor rank keeps a slice of the heads; a single process and every zero3
-        rank keep them all (and so share entries)."""
-        sharding = f"tp{shards}.r{rank}" if strategy == "tensor" and shards > 1 else "full"
+                 num_kv_heads: int, head_dim: int, splits_heads: bool, shards: int, rank: int) -> "KVLayout":
+        """A rank that keeps a slice of the heads (``Strategy.splits_kv_heads``: a tensor
+        rank) has entries of its own; a single process and every zero3 rank keep them all
+        (and so share entries)."""
+        sharding = f"tp{shards}.r{rank}" if splits_heads and shards > 1 else "full"
         return cls(model, revision, dtype, block_size, num_layers, num_kv_heads, head_dim, sharding)
 
     def of_rank(self, shards: int, rank: int) -> "KVLayout":

@@ -4,6 +4,9 @@
 cluster``) and then talks to the Cluster through any node it was given. Every call has
 a socket timeout; a failure marks Redis down for ``retry_s`` (calls are skipped at once
 meanwhile, so a dead Redis costs nothing), counts an error and logs one line per outage.
+A failure is anything a call raises: redis-py's errors, socket errors, and the Cluster
+client's own exceptions (``RedisClusterException``, ``SlotNotCoveredError``), which are
+not ``RedisError``s; none of them reaches the engine.
 
 - ``fetch_chain`` reads a chain's entries with pipelined MGETs of a few blocks each, in
   one round trip (a chain's keys share one Cluster slot), and hands each value over as
@@ -27,7 +30,7 @@ from typing import Callable, TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 log = logging.getLogger(__name__)
@@ -97,7 +100,8 @@ class RedisTier:
             raise TierUnavailable("redis is marked down")
         try:
             result = fn(self._connect())
-        except (RedisError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - RedisError, OSError, and the Cluster client's own
+            # (RedisClusterException, SlotNotCoveredError: plain Exceptions): never past the tier
             self._failed(op, exc)
             raise TierUnavailable(f"{type(exc).__name__}: {exc}") from None
         if not self.up:
@@ -129,7 +133,10 @@ class RedisTier:
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
-            client.close()
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken Cluster client
+                pass
 
     # ---- operations ------------------------------------------------------------------
     def fetch_chain(self, keys: list[str], on_value: Callable[[int, bytes | None], bool]) -> None:

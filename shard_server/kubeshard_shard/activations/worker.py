@@ -107,6 +107,9 @@ class CacheWorker:
                                                  self.ttl_s)
             except TierUnavailable:
                 return None
+            except Exception:  # noqa: BLE001 - a bug here must not fail the engine step that reads it
+                log.exception("activation cache: counting failed")
+                return None
 
         return self._counting.submit(run)
 

@@ -178,6 +178,8 @@ def check_agreement(comm: Comm, strategy: str, model_fingerprint: int, engine_fi
         if row[2] != leader[2]:
             problems.append(f"rank {rank} loads a different model (config.json differs from the leader's)")
         if row[3] != leader[3]:
-            problems.append(f"rank {rank} has different engine limits from the leader")
+            problems.append(f"rank {rank} has different engine settings from the leader (--dtype, limits, "
+                            "--block-size, --max-batch-tokens, activation cache, --quantize, "
+                            "--quantize-group-size, --kv-cache-dtype or --cpu-gemm)")
     if problems:
         raise GroupError("the shard group is misconfigured: " + "; ".join(problems))

@@ -5,8 +5,11 @@ and answers every question that depends on it:
 
 - before joining its peers: ``check`` the model's sizes; then ``join`` the group's
   communicator;
+- what it can serve: ``check_quantize`` (a weight quantization), ``check_lora`` (LoRA
+  adapters), both a ValueError naming the flag when it cannot;
 - while loading: ``apply`` a pass over the model on the
-  meta device, ``load_weights`` of this rank's share, ``kv_heads`` this rank keeps,
+  meta device, ``load_weights`` of this rank's share, ``kv_heads`` this rank keeps
+  (``splits_kv_heads``: a slice of them, so its KV blocks are its own),
   ``lanes`` (per-rank schedulers) the leader drives, ``agree_blocks`` on one KV pool size;
 - per engine step on the leader: ``execute`` the step's inputs (one per lane), sending
   them to the other ranks first; on a follower: ``follow`` the leader's steps;
@@ -47,8 +50,11 @@ class Strategy(Protocol):
     shards: int
     rank: int
     lanes: int
+    splits_kv_heads: bool
 
     def check(self, model_config: ModelConfig) -> None: ...
+    def check_quantize(self, method: str) -> None: ...
+    def check_lora(self) -> None: ...
     def join(self, comm: Comm) -> None: ...
     def apply(self, model) -> None: ...
     def load_weights(self, model, checkpoint: SafetensorsCheckpoint) -> None: ...
@@ -73,12 +79,19 @@ class Single:
     """A group of one process: the whole model, one lane, nobody to talk to."""
 
     shards, rank, lanes = 1, 0, 1
+    splits_kv_heads = False
     comm_seconds = 0.0
 
     def __init__(self, name: str = "tensor") -> None:
         self.name = name  # what Info reports: the strategy asked for, over one shard
 
     def check(self, model_config: ModelConfig) -> None:
+        pass
+
+    def check_quantize(self, method: str) -> None:
+        pass
+
+    def check_lora(self) -> None:
         pass
 
     def join(self, comm: Comm) -> None:
@@ -129,6 +142,14 @@ class _Group:
 
     def join(self, comm: Comm) -> None:
         self.comm, self.channel = comm, StepChannel(comm)
+
+    def check_quantize(self, method: str) -> None:
+        pass  # each rank packs its own slice
+
+    def check_lora(self) -> None:
+        raise ValueError("LoRA adapters (--lora-adapter, --enable-lora) are applied by an unsharded replica only "
+                         "(--shards 1): the tensor and zero3 strategies split each projection, and the adapters' "
+                         "deltas are not split with them yet")
 
     @property
     def comm_seconds(self) -> float:
@@ -182,6 +203,7 @@ class _Group:
 
 class Tensor(_Group):
     name, lanes = "tensor", 1
+    splits_kv_heads = True
 
     def check(self, model_config: ModelConfig) -> None:
         check_divisible(model_config, self.shards)
@@ -201,6 +223,7 @@ class Tensor(_Group):
 
 class Zero3(_Group):
     name = "zero3"
+    splits_kv_heads = False  # every rank keeps every KV head of its own lane's sequences
 
     def __init__(self, placement: Placement) -> None:
         super().__init__(placement)
@@ -214,6 +237,10 @@ class Zero3(_Group):
 
     def check(self, model_config: ModelConfig) -> None:
         pass  # flat partitions are padded: any size splits
+
+    def check_quantize(self, method: str) -> None:
+        raise ValueError(f"--quantize {method} is not available with --strategy zero3: its flat partitions hold "
+                         "one float dtype; use --strategy tensor (each rank packs its slice)")
 
     def apply(self, model) -> None:
         self.partitions.apply(model)

@@ -101,9 +101,8 @@ def kv_cache_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_head
 
 
 def check_quantize_strategy(config: EngineConfig, strategy: Strategy) -> None:
-    if config.quantize != "none" and strategy.name == "zero3" and strategy.shards > 1:
-        raise ValueError(f"--quantize {config.quantize} is not available with --strategy zero3: its flat "
-                         "partitions hold one float dtype; use --strategy tensor (each rank packs its slice)")
+    if config.quantize != "none":
+        strategy.check_quantize(config.quantize)
 
 
 def quantize_weights(config: EngineConfig, compute: Compute, model) -> None:
@@ -123,10 +122,7 @@ def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute
     """The LoRA adapter registry (None when LoRA is off), with the start-up adapters loaded."""
     if not (config.enable_lora or config.lora_adapters):
         return None
-    if not isinstance(strategy, Single):
-        raise ValueError("LoRA adapters (--lora-adapter, --enable-lora) are applied by an unsharded replica only "
-                         "(--shards 1): the tensor and zero3 strategies split each projection, and the adapters' "
-                         "deltas are not split with them yet")
+    strategy.check_lora()
     registry = AdapterRegistry(config.max_loras, config.max_lora_rank)
     enable_lora(model, registry)
     for name, source in config.lora_adapters:
@@ -152,7 +148,7 @@ def build_cache_worker(config: EngineConfig, model_config: ModelConfig, strategy
         return None
     layout = KVLayout.for_rank(act.key_model or config.model_id, config.revision, dtype, config.block_size,
                                model_config.num_hidden_layers, cache.num_kv_heads, model_config.head_dim,
-                               strategy.name, strategy.shards, strategy.rank)
+                               strategy.splits_kv_heads, strategy.shards, strategy.rank)
     budget = Budget(*layout.budget_keys(), act.max_bytes) if act.max_bytes else None
     lane = strategy.rank if strategy.lanes > 1 else 0
     log.info("activation cache on: %s, keys %s:*, %d bytes per block, min hits %d, ttl %d s, budget %s",

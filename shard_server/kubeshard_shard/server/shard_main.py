@@ -30,9 +30,12 @@ from kubeshard_shard.server.serve import HealthServer, install_signal_handlers, 
 log = logging.getLogger(__name__)
 
 
-def _engine_fingerprint(config: EngineConfig) -> int:
+def engine_fingerprint(config: EngineConfig) -> int:
+    """The engine settings every rank of a group must share: what a step computes and
+    how (precision, limits, weight quantization, KV pool type, CPU GEMM library)."""
     fields = (config.dtype, config.max_input_tokens, config.max_total_tokens, config.block_size,
-              config.max_batch_tokens, config.activations.active)
+              config.max_batch_tokens, config.activations.active, config.quantize, config.quantize_group_size,
+              config.kv_cache_dtype, config.cpu_gemm)
     return fingerprint(repr(fields).encode())
 
 
@@ -45,7 +48,7 @@ def load_member(config: EngineConfig, placement: Placement) -> ServedModel:
     if placement.shards > 1:
         comm = init_group(placement, compute.device)
         check_agreement(comm, placement.strategy, fingerprint((config.model_dir / "config.json").read_bytes()),
-                        _engine_fingerprint(config))
+                        engine_fingerprint(config))
         strategy.join(comm)
     served = build_served_model(config, strategy, compute)
     if placement.shards > 1:
