@@ -1,6 +1,7 @@
 """GGUF files for tests, written with the ``gguf`` package from a Hugging Face folder, the
 way llama.cpp's converter writes them (q/k rows interleaved for Llama, the tokenizer as
-``tokenizer.ggml.*`` keys), in any quantization type; and the float checkpoint that
+``tokenizer.ggml.*`` keys, a llama3 rope_scaling as the ``rope_freqs.weight`` tensor), in
+any quantization type; and the float checkpoint that
 holds exactly the dequantized weights, for comparing logits.
 
 gguf-py cannot quantize to the K-quants (Q2_K..Q6_K) in numpy, so those tensors are
@@ -11,6 +12,7 @@ float checkpoint is the dequantization of the very same bytes.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -49,6 +51,32 @@ def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def llama3_rope_factors(config: dict) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` llama.cpp's convert_hf_to_gguf writes for a llama3
+    rope_scaling (LlamaModel.generate_extra_tensors): each rotary frequency's divisor.
+    The context length is rope_scaling's original_max_position_embeddings, the one
+    transformers uses (llama.cpp reads only a top-level key, 8192 when absent, which is
+    Llama 3.1's value)."""
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (config.get("rope_theta", 10000.0) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = scaling.get("factor", 8.0), scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def _random_k_blocks(shape: tuple[int, int], qtype, rng: np.random.Generator) -> np.ndarray:
     from gguf import GGML_QUANT_SIZES
 
@@ -61,7 +89,7 @@ def _random_k_blocks(shape: tuple[int, int], qtype, rng: np.random.Generator) ->
 
 
 def write_gguf(src: Path, path: Path, qtype_name: str, float_out: Path | None = None, seed: int = 0,
-               metadata: dict | None = None) -> Path:
+               metadata: dict | None = None, pre: str = "default") -> Path:
     """Writes ``src`` (a Hugging Face folder of a llama/mistral/qwen2 model) as a GGUF file
     with its 2-D weights in ``qtype_name``; with ``float_out``, also writes the float
     checkpoint of exactly the weights the GGUF holds."""
@@ -87,10 +115,13 @@ def write_gguf(src: Path, path: Path, qtype_name: str, float_out: Path | None = 
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_vocab_size(config["vocab_size"])
-    _add_tokenizer(writer, src)
+    _add_tokenizer(writer, src, pre)
     for key, value in (metadata or {}).items():
         writer.add_string(key, value) if isinstance(value, str) else writer.add_uint32(key, value)
     dequantized = {}
+    factors = llama3_rope_factors(config)
+    if factors is not None:  # as llama.cpp's converter writes Llama 3.1/3.2
+        writer.add_tensor("rope_freqs.weight", factors, raw_dtype=T.F32)
     for name, tensor in tensors.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
@@ -125,7 +156,7 @@ def write_gguf(src: Path, path: Path, qtype_name: str, float_out: Path | None = 
     return path
 
 
-def _add_tokenizer(writer, src: Path) -> None:
+def _add_tokenizer(writer, src: Path, pre: str) -> None:
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -133,7 +164,7 @@ def _add_tokenizer(writer, src: Path) -> None:
     special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
     tok_config = json.loads((src / "tokenizer_config.json").read_text())
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
     writer.add_token_types([3 if t in special else 1 for t in tokens])

@@ -98,6 +98,14 @@ def test_unsupported_architecture(model_copy):
     expect_error(model_copy, "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
+@pytest.mark.parametrize("factors", [[1.0] * 3, [1.0] * 7 + [0.0], "8"])
+def test_bad_rope_freq_factors_are_named(model_copy, factors):
+    config = json.loads((model_copy / "config.json").read_text())
+    config["rope_freq_factors"] = factors  # head_dim 16: 8 factors, all positive
+    (model_copy / "config.json").write_text(json.dumps(config))
+    expect_error(model_copy, "config.json", "'rope_freq_factors' must be a list of 8 positive numbers")
+
+
 def test_tokenizer_that_does_not_match_the_model(model_copy, demo_model):
     shutil.copy(demo_model("llama", "small") / "tokenizer.json", model_copy / "tokenizer.json")
     expect_error(model_copy, "8192 tokens", "vocab_size is 1024")

@@ -186,3 +186,98 @@ def test_sentencepiece_tokenizer_is_refused_with_what_is_supported(tmp_path):
     writer.close()
     with pytest.raises(CheckpointError, match="tokenizer model 'llama' is not supported; supported: gpt2"):
         local_checkpoint(path)
+
+
+def test_llama3_rope_freqs_give_the_logits_of_the_float_checkpoint(demo_model, tmp_path):
+    """A Llama 3.1/3.2 GGUF carries its llama3 rope scaling only as ``rope_freqs.weight``
+    (per-frequency divisors); served from the file, the model gives the logits that
+    transformers gives for the float checkpoint with its llama3 rope_scaling."""
+    src = demo_model("llama")
+    assert json.loads((src / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    path = write_gguf(src, tmp_path / "llama31.gguf", "Q8_0", float_out=tmp_path / "float")
+    folder = local_checkpoint(path)
+    config = json.loads((folder / "config.json").read_text())
+    factors = config["rope_freq_factors"]
+    assert len(factors) == config["head_dim"] // 2 and factors[0] == 1.0 and factors[-1] == 8.0
+    assert any(1.0 < f < 8.0 for f in factors)  # the smoothed band is exercised too
+    prompt = random_prompts(1, 1000, (120, 120), seed=13)[0]
+    got_lp, got_ids = prompt_logprobs_and_greedy(folder, prompt, 12)
+    want_lp, want_ids = hf_prompt_logprobs_and_greedy(tmp_path / "float", prompt, 12)
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), rtol=1e-4, atol=1e-4)
+    assert got_ids == want_ids
+    # the factors matter: the same folder without them is another model
+    plain = tmp_path / "plain"
+    shutil.copytree(folder, plain)
+    del config["rope_freq_factors"]
+    (plain / "config.json").write_text(json.dumps(config))
+    plain_lp, _ = prompt_logprobs_and_greedy(plain, prompt, 1)
+    assert (torch.tensor(plain_lp) - torch.tensor(want_lp)).abs().max() > 1e-2
+
+
+def test_rope_freqs_of_the_wrong_size_are_refused_naming_the_tensor(demo_model, tmp_path):
+    import gguf
+    import numpy as np
+
+    path = write_gguf(demo_model("llama"), tmp_path / "m.gguf", "F16")
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    start = tensor.data.ctypes.data - reader.data.ctypes.data
+    data = bytearray(path.read_bytes())
+    data[start:start + 4] = np.float32(-1.0).tobytes()  # a divisor that is no frequency factor
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rope_freqs.weight must hold \d+ positive factors"):
+        local_checkpoint(bad)
+
+
+@pytest.mark.parametrize("qtype, dtype", [("F32", "float32"), ("F16", "float16"), ("Q8_0", "bfloat16")])
+def test_auto_dtype_is_the_type_the_weights_came_in(demo_model, tmp_path, qtype, dtype):
+    folder = local_checkpoint(write_gguf(demo_model("mistral"), tmp_path / "m.gguf", qtype))
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == dtype
+
+
+def test_the_file_type_key_says_the_dtype_when_present(demo_model, tmp_path):
+    path = write_gguf(demo_model("mistral"), tmp_path / "m.gguf", "F32", metadata={"general.file_type": 0})
+    assert json.loads((local_checkpoint(path) / "config.json").read_text())["torch_dtype"] == "float32"
+    path = write_gguf(demo_model("mistral"), tmp_path / "q.gguf", "Q8_0", metadata={"general.file_type": 7})
+    assert json.loads((local_checkpoint(path) / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_unsupported_pre_tokenizer_is_named_with_the_supported_ones(demo_model, tmp_path):
+    path = write_gguf(demo_model("mistral"), tmp_path / "m.gguf", "Q8_0", pre="chatglm-bpe")
+    with pytest.raises(CheckpointError, match=r"pre-tokenizer 'chatglm-bpe' is not supported; supported: .*llama-bpe"):
+        local_checkpoint(path)
+
+
+def test_unsupported_rope_scaling_is_named_with_the_supported_ones(demo_model, tmp_path):
+    path = write_gguf(demo_model("mistral"), tmp_path / "m.gguf", "Q8_0", metadata={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(CheckpointError, match="GGUF rope scaling 'yarn' is not supported; supported: none, linear"):
+        local_checkpoint(path)
+
+
+def test_a_read_only_cache_is_named_with_the_setting_that_moves_it(demo_model, tmp_path, monkeypatch):
+    """The cache folder is made read-only with its mode, and for root (whom modes do not
+    stop) with the immutable attribute."""
+    import os
+    import subprocess
+
+    path = write_gguf(demo_model("mistral"), tmp_path / "m.gguf", "Q8_0")
+    cache = tmp_path / "ro-cache"
+    (cache / "models").mkdir(parents=True)
+    monkeypatch.setenv("KUBESHARD_CACHE", str(cache))
+    (cache / "models").chmod(0o555)
+    immutable = os.geteuid() == 0
+    if immutable:
+        done = subprocess.run(["chattr", "+i", str(cache / "models")], capture_output=True, text=True)
+        if done.returncode:
+            pytest.fail(f"cannot make a read-only folder as root here (chattr +i: {done.stderr.strip()})")
+    try:
+        with pytest.raises(CheckpointError) as err:
+            local_checkpoint(path)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(cache / "models")], check=True)
+        (cache / "models").chmod(0o755)
+    message = str(err.value)
+    assert f"cache folder {cache / 'models'}" in message and "KUBESHARD_CACHE" in message
+    assert "shardServer.cacheDir" in message and "m.gguf" in message

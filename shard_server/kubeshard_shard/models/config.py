@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # llama.cpp's per-dimension divisors of the rotary frequencies (a GGUF's
+    # ``rope_freqs.weight``, written for Llama 3.1/3.2): one per frequency, head_dim / 2.
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,19 @@ def _parse_rope_scaling(raw: Any, where: Path) -> RopeScaling:
     )
 
 
+def _parse_freq_factors(raw: Any, head_dim: int, where: Path) -> tuple[float, ...] | None:
+    """kubeshard's own config field ``rope_freq_factors`` (transformers has none): the
+    divisors llama.cpp applies to each rotary frequency, kept from a GGUF file."""
+    if raw is None:
+        return None
+    if (not isinstance(raw, list) or len(raw) != head_dim // 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in raw)
+            or not all(math.isfinite(x) and x > 0 for x in raw)):
+        raise CheckpointError(f"{where}: field 'rope_freq_factors' must be a list of {head_dim // 2} positive "
+                              f"numbers (one per rotary frequency), got {raw!r}"[:400])
+    return tuple(float(x) for x in raw)
+
+
 def _eos_ids(raw: Any) -> tuple[int, ...]:
     if raw is None:
         return ()
@@ -170,7 +186,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rope_scaling=_parse_rope_scaling(raw.get("rope_scaling"), path),
+        rope_scaling=replace(_parse_rope_scaling(raw.get("rope_scaling"), path),
+                             freq_factors=_parse_freq_factors(raw.get("rope_freq_factors"), head_dim, path)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama and Mistral have them only when configured.
         attention_bias=bool(raw.get("attention_bias", family == "qwen2")),

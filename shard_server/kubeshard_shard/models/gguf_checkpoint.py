@@ -5,7 +5,8 @@ loads like any other (memory-mapped safetensors, per-rank slices for sharding).
 What maps to what:
 - the config from the ``{arch}.*`` keys (block_count, embedding_length, head counts,
   rope.freq_base, rope.scaling.*, context_length, ...); tied embeddings when the file
-  has no ``output.weight``;
+  has no ``output.weight``; Llama 3.1/3.2's ``rope_freqs.weight`` as the per-frequency
+  divisors ``rope_freq_factors`` (kubeshard's field: transformers would ignore it);
 - tensors by name (``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight``);
   llama.cpp's converter interleaves the rotary halves of Llama's q and k rows, which is
   undone here (Qwen2 files are written unpermuted);
@@ -35,7 +36,7 @@ from kubeshard_shard.paths import build_once
 log = logging.getLogger(__name__)
 
 # Bump when the written folder changes, so older conversions are rebuilt.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 TENSOR_TYPES_FILE = "gguf_tensor_types.json"  # Hugging Face tensor name -> GGUF type
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -109,7 +110,7 @@ def hf_config(reader) -> dict:
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
         "tie_word_embeddings": "output.weight" not in names,
-        "torch_dtype": "float16" if int(_field(reader, "general.file_type", 0)) == 1 else "bfloat16",
+        "torch_dtype": _torch_dtype(reader),
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
@@ -119,11 +120,57 @@ def hf_config(reader) -> dict:
                                   "factor": float(_require(reader, f"{arch}.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise CheckpointError(f"GGUF rope scaling '{scaling}' is not supported; supported: none, linear")
+    factors = _rope_freq_factors(reader, config["head_dim"])
+    if factors is not None:
+        config["rope_freq_factors"] = factors
     for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         value = _field(reader, name)
         if value is not None:
             config[key] = int(value)
     return config
+
+
+# general.file_type (llama.cpp's LlamaFileType) -> the float type the weights came in
+FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+TENSOR_TYPE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _torch_dtype(reader) -> str:
+    """What ``--dtype auto`` serves: the file's float type (general.file_type, or its
+    weights' types when the key is absent); bfloat16 for a quantized file."""
+    file_type = _field(reader, "general.file_type")
+    if file_type is not None:
+        return FILE_TYPE_DTYPES.get(int(file_type), "bfloat16")
+    from gguf import GGMLQuantizationType
+
+    kinds = {GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1}
+    floats = {TENSOR_TYPE_DTYPES.get(kind) for kind in kinds}
+    return floats.pop() if len(floats) == 1 and None not in floats else "bfloat16"
+
+
+def _rope_freq_factors(reader, head_dim: int) -> list[float] | None:
+    """llama.cpp's ``rope_freqs.weight`` (written for Llama 3.1/3.2 in place of their
+    llama3 rope_scaling): the divisor of each rotary frequency. The GGUF keeps no
+    factor/low_freq_factor/high_freq_factor/original context length to rebuild
+    transformers' llama3 rope_scaling from, so the divisors go into the config as they
+    are (kubeshard's ``rope_freq_factors``, which ``rope_inverse_frequencies`` applies)."""
+    from gguf import GGMLQuantizationType, quants
+
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        values = np.asarray(quants.dequantize(tensor.data, qtype), dtype=np.float64).reshape(-1)
+    except Exception as exc:
+        raise CheckpointError(f"GGUF tensor rope_freqs.weight ({qtype.name}) cannot be read: the file is "
+                              f"truncated or corrupt ({exc})") from exc
+    if values.size != head_dim // 2 or not (np.isfinite(values).all() and (values > 0).all()):
+        raise CheckpointError(f"GGUF tensor rope_freqs.weight must hold {head_dim // 2} positive factors (one per "
+                              f"rotary frequency of head dimension {head_dim}); it holds {values.size}"
+                              + ("" if np.isfinite(values).all() and (values > 0).all() else
+                                 ", some not positive and finite"))
+    return [float(x) for x in values]
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -151,7 +198,7 @@ def hf_tensors(reader, config: dict, types: dict[str, str] | None = None) -> Ite
         qtype = GGMLQuantizationType(t.tensor_type)
         name = hf_name(t.name)
         if name is None:
-            if t.name != "rope_freqs.weight":
+            if t.name != "rope_freqs.weight":  # read into the config by hf_config
                 log.warning("GGUF tensor %s has no place in the model; ignored", t.name)
             continue
         if qtype.name not in QUANT_TYPES:
@@ -264,4 +311,10 @@ def converted_checkpoint(path: Path, cache: Path) -> Path:
     target = cache / f"{path.stem}-{_digest(path)}"
     if not (target / "config.json").is_file():
         log.info("converting %s to a checkpoint folder under %s (once)", path, cache)
-    return build_once(target, lambda out: convert(path, out))
+    try:
+        return build_once(target, lambda out: convert(path, out))
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write the converted checkpoint of {path.name} into the cache folder {cache} "
+            f"({exc.strerror or exc}); point KUBESHARD_CACHE at a writable folder (on Kubernetes: the chart's "
+            f"shardServer.cacheDir, or leave it empty for the pod's own /tmp)") from exc

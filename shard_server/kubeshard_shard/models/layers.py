@@ -178,6 +178,8 @@ class RMSNorm(UsesCpuKernels, nn.Module):
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling,
                              max_positions: int) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.freq_factors is not None:  # llama.cpp's rope_freqs: theta_i / factor_i
+        inv = inv / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     if scaling.rope_type == "linear":
         return inv / scaling.factor
     if scaling.rope_type == "llama3":
