@@ -46,7 +46,7 @@ run: install ## serve SmolLM2-135M-Instruct on http://127.0.0.1:8080 (extra flag
 test: install k8s-tools ## run every test (unit, integration, end-to-end)
 	$(PY) -m pytest tests e2e
 
-test-unit: install ## run the tests that need no Kubernetes control plane
+test-unit: install k8s-tools ## run the tests that need no Kubernetes control plane (helm, from k8s-tools, renders the chart)
 	$(PY) -m pytest tests
 
 test-engines: install engines ## build the peer engines (once, cached) and run their tests; a missing one fails

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubeshard_shard.paths import cache_root
 from tests.router.processes import start_router
+from tests.support.helm import CHART, template
 from tests.support.shard_process import start_shard
 
-CHART = Path(__file__).resolve().parents[2] / "charts" / "kubeshard"
 DASHBOARD = CHART / "dashboards" / "kubeshard.json"
 
 # Counted only when something fails, is refused or wakes a model: declared by the exporter
@@ -155,18 +152,6 @@ def test_every_metric_the_dashboard_queries_is_exported(demo_model, redis_server
     assert missing == [], "queried by the dashboard, exported by neither the router nor the engine"
     assert silent == [], "declared but without samples after requests"
     assert unlabelled == []
-
-
-def helm() -> Path:
-    found = sorted(cache_root().glob("k8s/v*/bin/helm"))
-    if not found:
-        pytest.skip(f"no helm under {cache_root()}/k8s: `make k8s-tools` builds it (`make test` does first)")
-    return found[-1]
-
-
-def template(*flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([str(helm()), "template", "t", str(CHART), "-n", "serving", *flags],
-                          capture_output=True, text=True, timeout=120, check=check)
 
 
 def dashboard_maps(rendered: str) -> list[dict]:
