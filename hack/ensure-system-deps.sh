@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the system packages kubeshard's tests and local cluster need, when missing:
-# a real Redis server, iproute2 (network namespaces for pods), nftables/iptables and
+# a real Redis server, curl, iproute2 (network namespaces for pods), nftables/iptables and
 # conntrack (kube-proxy), util-linux (unshare/nsenter) and busybox (the local cluster's
 # busybox image). With --containers, also what real containers need: Debian's Docker
 # engine (image builds, kind), containerd and runc (the local cluster's node), the CNI
@@ -20,6 +20,8 @@ if [ "${1:-}" = "--containers" ]; then
   dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 fi
 command -v redis-server >/dev/null || need+=(redis-server)
+# The README's examples, pasted by tests/cli/test_serve.py.
+command -v curl >/dev/null || need+=(curl)
 command -v ip >/dev/null || need+=(iproute2)
 command -v nft >/dev/null || need+=(nftables)
 command -v iptables >/dev/null || need+=(iptables)
