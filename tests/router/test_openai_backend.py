@@ -93,7 +93,7 @@ def served(request, demo_model, redis_server, tmp_path_factory):
 def engine(served) -> Served:
     """The module's router and engine, the engine's steering back at its defaults."""
     f = served.fake
-    f.token_delay_s, f.eos_after, f.fail_status, f.healthy = 0.0, None, None, True
+    f.token_delay_s, f.eos_after, f.fail_status, f.healthy, f.idle_close_s = 0.0, None, None, True, None
     return served
 
 
@@ -234,6 +234,47 @@ def test_load_counters_count_the_engines_streams(engine):
             t.join()
     assert wait_for(lambda: (v := _load(engine))["in_flight"] == 0 and v["tokens_in_flight"] == 0, 10)
     assert _load(engine)["tokens_per_second"] > 0
+
+
+def _generate(served: Served) -> httpx.Response:
+    return httpx.post(served.url + "/generate", timeout=30, headers=NO_CACHE,
+                      json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+
+
+def _failures(served: Served) -> float:
+    return metric(served.router, "kubeshard_router_backend_errors_total") + \
+        metric(served.router, "kubeshard_router_retries_total")
+
+
+def test_a_kept_alive_connection_the_engine_closed_is_retried_once_on_a_new_one(engine):
+    """The engine closes a connection idle 1 s just as the router reuses it (as uvicorn
+    does when its keep-alive timer fires while a request is on its way): nothing was
+    answered, so the router sends the request again on a new connection, and neither fails
+    the request nor takes the (only) replica out."""
+    engine.fake.idle_close_s = 1.0
+    assert _generate(engine).status_code == 200
+    failures, dropped = _failures(engine), engine.fake.dropped
+    time.sleep(1.5)
+    r = _generate(engine)
+    assert r.status_code == 200, r.text
+    assert engine.fake.dropped == dropped + 1  # the stale connection was reused, and dropped
+    assert _failures(engine) == failures
+    assert metric(engine.router, "kubeshard_router_ready_replicas") == 1
+
+
+def test_the_router_drops_idle_connections_before_the_engine_does(engine):
+    """Engines' servers (uvicorn) close a connection after 5 s idle; the router keeps one
+    idle for less (KEEPALIVE_S), so it opens a new one rather than reuse one the engine
+    may be closing."""
+    from kubeshard_router.backends.openai_http import KEEPALIVE_S
+
+    assert KEEPALIVE_S < 5.0
+    engine.fake.idle_close_s = KEEPALIVE_S + 0.5
+    assert _generate(engine).status_code == 200
+    connections, dropped = engine.fake.connections, engine.fake.dropped
+    time.sleep(KEEPALIVE_S + 1.0)
+    assert _generate(engine).status_code == 200
+    assert engine.fake.dropped == dropped and engine.fake.connections == connections + 1
 
 
 REFUSED = {  # what each engine cannot give, and the request field the 422 names

@@ -25,11 +25,18 @@ already understands: connection refused or 503 → UNAVAILABLE (retried elsewher
 replica leaves the ready set), 429 → RESOURCE_EXHAUSTED, 400/422 → INVALID_ARGUMENT,
 other statuses → INTERNAL, a timeout → DEADLINE_EXCEEDED. ``cancel`` closes the HTTP
 connection; both engines abort a request whose client went away.
+
+Kept-alive connections: the engines' servers (uvicorn) close a connection after 5 s
+idle, so the router keeps one idle for ``KEEPALIVE_S`` only. Should the engine still
+close one just as a request goes out on it (nothing was answered), the request is sent
+once more on a new connection; that is not the replica failing, so it is neither
+reported nor retried elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any, Callable, Optional
@@ -42,8 +49,13 @@ from kubeshard_proto import pb
 from kubeshard_router.backends.engine import BackendError
 from kubeshard_router.tokenization import ModelTokenizer
 
+log = logging.getLogger("kubeshard.router.openai_http")
+
 NAN = float("nan")
 _END = object()
+# Idle seconds a connection to an engine is kept for reuse: below the 5 s after which
+# uvicorn (vLLM, llama-cpp-python, SGLang, trtllm-serve) closes an idle connection.
+KEEPALIVE_S = 3.0
 
 
 def _f(value: float) -> float:
@@ -301,20 +313,37 @@ class OpenAIEngine:
         self._tokenizer = tokenizer
         self._connect_timeout_s = connect_timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
+        self._fresh: Optional[aiohttp.ClientSession] = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                json_serialize=lambda o: orjson.dumps(o).decode(), auto_decompress=False)
+            self._session = _session(aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
         return self._session
+
+    def _fresh_client(self) -> aiohttp.ClientSession:
+        """A session whose every request opens a new connection."""
+        if self._fresh is None or self._fresh.closed:
+            self._fresh = _session(aiohttp.TCPConnector(limit=0, force_close=True))
+        return self._fresh
+
+    async def _post(self, body: dict[str, Any], timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        url = f"{self.base_url}/v1/completions"
+        try:
+            return await self._client().post(url, json=body, timeout=timeout)
+        except aiohttp.ClientConnectionError as exc:
+            if not _closed_before_answering(exc):
+                raise
+            log.debug("%s at %s closed a kept-alive connection (%s); sending again on a new one",
+                      self.runtime, self.base_url, exc)
+            return await self._fresh_client().post(url, json=body, timeout=timeout)
 
     def generate(self, request: pb.GenerateRequest, timeout_s: float) -> OpenAIStream:
         return OpenAIStream(self, request, timeout_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
 
     async def stream(self, request: pb.GenerateRequest, timeout_s: float,
                      emit: Callable[[Any], None]) -> None:
@@ -329,8 +358,7 @@ class OpenAIEngine:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
         started = time.perf_counter_ns()
         try:
-            async with self._client().post(f"{self.base_url}/v1/completions", json=body,
-                                           timeout=timeout) as response:
+            async with await self._post(body, timeout) as response:
                 if response.status != 200:
                     raw = await response.read()
                     raise BackendError(_status_code(response.status),
@@ -356,6 +384,20 @@ class OpenAIEngine:
         except TimeoutError:
             raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"{self.runtime} gave no answer within {timeout_s:g}s") from None
+
+
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
+                                 auto_decompress=False)
+
+
+def _closed_before_answering(exc: aiohttp.ClientConnectionError) -> bool:
+    """The engine closed (or reset) an established connection before any answer: a
+    kept-alive connection it was closing as the request went out. A refused connection
+    (the engine is down) is not that."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError))
 
 
 class _Decoder:
