@@ -10,7 +10,7 @@ configured wait.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import redis
@@ -28,10 +28,12 @@ BLOCK_BYTES = 2 * 2 * 16 * 4 * 16 * 4   # layers, K/V, block size, KV heads, hea
 
 
 def engine(model, url, kv="16MiB", dtype="auto", **settings):
-    """An engine with the activation cache on ``url`` (``settings``: ActivationCacheConfig's)."""
-    settings.setdefault("min_hits", 1)
-    return build_engine(model, kv=kv, dtype=dtype,
-                        activations=ActivationCacheConfig(redis_url=url, **settings)).engine
+    """An engine with the activation cache on ``url`` (``settings``: ActivationCacheConfig's,
+    or EngineConfig's such as ``quantize``)."""
+    cache = {k: settings.pop(k) for k in list(settings) if k in {f.name for f in fields(ActivationCacheConfig)}}
+    cache.setdefault("min_hits", 1)
+    return build_engine(model, kv=kv, dtype=dtype, activations=ActivationCacheConfig(redis_url=url, **cache),
+                        **settings).engine
 
 
 def generate(eng, prompts, n=8) -> list[list[int]]:
@@ -155,6 +157,53 @@ def test_entries_of_another_model_dtype_or_layout_are_never_used(demo_model, red
     generate(fresh, [PREFIX + TAILS[1]])
     assert (fresh.stats().activation_cache.hit_blocks, fresh.stats().activation_cache.rejected) == (0, 1)
     client.close()
+
+
+def test_entries_of_another_weight_quantization_or_kv_dtype_are_never_used(demo_model, redis_url):
+    """The pool's bytes depend on the weights' quantization (int8, int4 and its group
+    size) and on the dtype the model computes in when the pool stores another one
+    (--kv-cache-dtype): such replicas use other keys, and an entry of one planted under
+    another's keys is refused by its header."""
+    model = demo_model()
+    variants = {"float32": {}, "int8": dict(quantize="int8"), "int4g32": dict(quantize="int4"),
+                "int4g64": dict(quantize="int4", quantize_group_size=64),
+                "bf16 pool of a float32 model": dict(kv_cache_dtype="bfloat16"),
+                "bfloat16": dict(dtype="bfloat16")}
+    engines = {name: engine(model, redis_url, **kw) for name, kw in variants.items()}
+    layouts = {name: e.cache.worker.layout for name, e in engines.items()}
+    assert [lay.variant for lay in layouts.values()] == [
+        "float32", "float32-wint8", "float32-wint4g32", "float32-wint4g64", "bfloat16-from-float32", "bfloat16"]
+    assert len({lay.prefix for lay in layouts.values()}) == len({lay.digest for lay in layouts.values()}) == 6
+    prompts = [PREFIX + t for t in TAILS]
+    written = {name: populate(e, prompts[:1]) for name, e in engines.items()}   # every variant writes its own
+    client = redis.Redis.from_url(redis_url)
+    entries = {name: [client.get(k) for k in _chain_keys(lay, PREFIX)] for name, lay in layouts.items()}
+    assert all(len(v) == 12 and None not in v for v in entries.values())
+
+    # the same variant on a fresh replica: its own entries, the tokens it computes
+    same = engine(model, redis_url, quantize="int4")
+    assert generate(same, prompts[:1]) == written["int4g32"]
+    assert same.stats().activation_cache.hit_blocks == 12
+    # another variant's genuine entries planted under a replica's own keys: refused
+    for ours, theirs in (("float32", "int8"), ("float32", "int4g32"), ("int8", "float32"),
+                         ("int4g32", "int4g64"), ("bfloat16", "bf16 pool of a float32 model"),
+                         ("bf16 pool of a float32 model", "bfloat16")):
+        client.flushall()
+        for key, value in zip(_chain_keys(layouts[ours], PREFIX), entries[theirs]):
+            client.set(key, value)
+        fresh = engine(model, redis_url, **variants[ours])
+        want = written[ours] if ours != "float32" else [hf_greedy(model, prompts[0], 8)]
+        assert generate(fresh, prompts[:1]) == want, (ours, theirs)
+        a = fresh.stats().activation_cache
+        assert (a.hit_blocks, a.rejected) == (0, 1), (ours, theirs)
+    client.close()
+
+
+def test_an_int8_kv_pool_turns_the_cache_off(demo_model, redis_url, caplog):
+    with caplog.at_level("WARNING", logger="kubeshard_shard.server.factory"):
+        eng = engine(demo_model(), redis_url, kv_cache_dtype="int8")
+    assert eng.cache is None
+    assert "activation cache off: an int8 KV pool" in caplog.text
 
 
 def test_redis_flushed_or_stopped_mid_run(demo_model, redis_server, redis_url):

@@ -7,6 +7,14 @@ and the block's chained hash::
 
     kubeshard:{model}:{revision}:kv:{dtype}:b{block_size}:{layout}:{{root}}:{block hash}
 
+``{dtype}`` is the KV pool's dtype, followed by what else computed the keys and values
+when that is not the plain model in that dtype: ``-from-{compute dtype}`` when the pool
+stores another dtype than the model computes in (``--kv-cache-dtype``), and
+``-w{quantization}`` for quantized weights (``int8``, ``int4g32``, ``gguf.<types
+digest>``), e.g. ``bfloat16-from-float32-wint4g32``. Replicas whose blocks differ in
+their bytes never share keys, and an entry's header digest refuses a value written
+under another variant anyway.
+
 ``{root}`` is the first block of the prompt's chain, in braces: a Redis Cluster hashes
 only that part, so every block of one prefix lands in one slot and a whole chain comes
 back in one round trip, while different prefixes spread over the nodes. The counter of
@@ -44,15 +52,23 @@ class KVLayout:
     num_kv_heads: int   # heads this rank keeps
     head_dim: int
     sharding: str = "full"
+    compute_dtype: torch.dtype | None = None  # the model's dtype, when the pool stores another one
+    weights: str = "none"                     # weight quantization: none, int8, int4g32, gguf.<digest>
 
     @classmethod
     def for_rank(cls, model: str, revision: str, dtype: torch.dtype, block_size: int, num_layers: int,
-                 num_kv_heads: int, head_dim: int, splits_heads: bool, shards: int, rank: int) -> "KVLayout":
+                 num_kv_heads: int, head_dim: int, splits_heads: bool, shards: int, rank: int,
+                 compute_dtype: torch.dtype | None = None, weights: str = "none") -> "KVLayout":
         """A rank that keeps a slice of the heads (``Strategy.splits_kv_heads``: a tensor
         rank) has entries of its own; a single process and every zero3 rank keep them all
         (and so share entries)."""
         sharding = f"tp{shards}.r{rank}" if splits_heads and shards > 1 else "full"
-        return cls(model, revision, dtype, block_size, num_layers, num_kv_heads, head_dim, sharding)
+        return cls(model, revision, dtype, block_size, num_layers, num_kv_heads, head_dim, sharding,
+                   compute_dtype, weights)
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype == self.dtype:  # one spelling per variant: the same bytes, the same key
+            object.__setattr__(self, "compute_dtype", None)
 
     def of_rank(self, shards: int, rank: int) -> "KVLayout":
         """The same model's layout on another rank of a tensor group."""
@@ -74,17 +90,30 @@ class KVLayout:
         return n * self.element_size
 
     @property
+    def variant(self) -> str:
+        """The pool's dtype and what else decides the bytes: the compute dtype when it
+        differs, the weight quantization when there is one."""
+        out = DTYPE_NAMES[self.dtype]
+        if self.compute_dtype is not None:
+            out += f"-from-{DTYPE_NAMES[self.compute_dtype]}"
+        if self.weights != "none":
+            out += f"-w{self.weights}"
+        return out
+
+    @property
     def digest(self) -> bytes:
         """8 bytes that every entry carries: a value under the wrong key, or from another
-        model, revision, dtype or layout, never passes for this one."""
+        model, revision, dtype, compute dtype, weight quantization or layout, never
+        passes for this one."""
         text = "\0".join([self.model, self.revision, DTYPE_NAMES[self.dtype], self.sharding,
                           *map(str, self.block_shape)])
+        if self.variant != DTYPE_NAMES[self.dtype]:  # a plain layout keeps the digest it always had
+            text += "\0" + self.variant
         return hashlib.blake2b(text.encode(), digest_size=8).digest()
 
     @property
     def prefix(self) -> str:
-        return (f"kubeshard:{self.model}:{self.revision}:kv:{DTYPE_NAMES[self.dtype]}:b{self.block_size}:"
-                f"{self.sharding}")
+        return f"kubeshard:{self.model}:{self.revision}:kv:{self.variant}:b{self.block_size}:{self.sharding}"
 
     def key(self, root: int, block_hash: int) -> str:
         return f"{self.prefix}:{{{root_tag(root)}}}:{hex_hash(block_hash)}"

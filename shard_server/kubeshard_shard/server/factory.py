@@ -4,6 +4,8 @@ here; what runs per step lives in ``engine/`` (and ``activations/``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -133,9 +135,25 @@ def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute
     return registry
 
 
+def kv_weights_tag(config: EngineConfig) -> str:
+    """What the weight quantization adds to the activation cache's keys: the same
+    prompt gives other keys and values under int8, int4 of another group size, or
+    another GGUF file's mix of types."""
+    if config.quantize == "int4":
+        return f"int4g{config.quantize_group_size}"
+    if config.quantize == "gguf":
+        from kubeshard_shard.models.quant import gguf_types
+
+        types = json.dumps(gguf_types(config.model_dir), sort_keys=True).encode()
+        return "gguf." + hashlib.blake2b(types, digest_size=4).hexdigest()
+    return config.quantize
+
+
 def build_cache_worker(config: EngineConfig, model_config: ModelConfig, strategy: Strategy, cache: KVCache,
-                       dtype: torch.dtype) -> CacheWorker | None:
-    """This rank's activation-cache worker, when there is a Redis URL and it is not off."""
+                       compute: Compute) -> CacheWorker | None:
+    """This rank's activation-cache worker, when there is a Redis URL and it is not off.
+    Its keys name the pool's dtype, the compute dtype when it differs, and the weight
+    quantization: replicas share entries only when their blocks hold the same bytes."""
     act = config.activations
     if not act.active:
         return None
@@ -146,9 +164,10 @@ def build_cache_worker(config: EngineConfig, model_config: ModelConfig, strategy
         log.warning("activation cache off: an int8 KV pool keeps scales beside its blocks, which it does not move "
                     "(--kv-cache-dtype int8)")
         return None
-    layout = KVLayout.for_rank(act.key_model or config.model_id, config.revision, dtype, config.block_size,
-                               model_config.num_hidden_layers, cache.num_kv_heads, model_config.head_dim,
-                               strategy.splits_kv_heads, strategy.shards, strategy.rank)
+    layout = KVLayout.for_rank(act.key_model or config.model_id, config.revision, compute.cache_dtype,
+                               config.block_size, model_config.num_hidden_layers, cache.num_kv_heads,
+                               model_config.head_dim, strategy.splits_kv_heads, strategy.shards, strategy.rank,
+                               compute.dtype, kv_weights_tag(config))
     budget = Budget(*layout.budget_keys(), act.max_bytes) if act.max_bytes else None
     lane = strategy.rank if strategy.lanes > 1 else 0
     log.info("activation cache on: %s, keys %s:*, %d bytes per block, min hits %d, ttl %d s, budget %s",
@@ -182,7 +201,7 @@ def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
     runner = ModelRunner(model, cache, compute.device, compute.decode_kernel, build_lora(config, strategy, model, compute))
     lanes = [Lane.create(i, num_blocks, config.block_size, config.enable_prefix_caching, config.max_batch_tokens,
                          config.max_num_seqs) for i in range(strategy.lanes)]
-    worker = build_cache_worker(config, model_config, strategy, cache, compute.cache_dtype)
+    worker = build_cache_worker(config, model_config, strategy, cache, compute)
     coordinator = None
     if worker is not None and strategy.rank == 0:
         coordinator = ActivationCache(config.activations, worker, lambda ops: strategy.exchange_cache(ops, worker),
