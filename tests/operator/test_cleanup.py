@@ -43,3 +43,42 @@ def test_unreachable_redis_fails_fast_instead_of_blocking():
 def test_redact_hides_passwords():
     assert redact("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+@pytest.fixture
+def cluster():
+    from tests.support.redis_cluster import RedisCluster
+
+    c = RedisCluster(3)
+    yield c
+    c.close()
+
+
+def test_a_redis_cluster_is_cleaned_on_every_primary_slot_by_slot(cluster):
+    """A real three-node Cluster: a SCAN sees one node, an UNLINK of keys in several
+    slots is refused (CROSSSLOT); every key of the model goes, on every node."""
+    cluster.start()
+    r = redis.RedisCluster.from_url(cluster.url)
+    ours = [f"kubeshard:tiny:main:cache:{i}" for i in range(1200)]              # every slot's neighbourhood
+    ours += [f"kubeshard:tiny:main:kv:float32:b16:full:{{{t:016x}}}:{b:032x}"   # chains: one slot each
+             for t in range(5) for b in range(40)]
+    ours += ["kubeshard:tiny:v2:inflight:router-1", "kubeshard:tiny:kv:budget:{abc}:bytes"]
+    keep = ["kubeshard:tiny-2:main:cache:a", "kubeshard:other:main:cache:a", "kubeshard:other:main:kv:x:{7}:1"]
+    for key in ours + keep:
+        r.set(key, "x")
+    before = cluster.keys()
+    assert sum(1 for keys in before.values() if any(k.startswith(b"kubeshard:tiny:") for k in keys)) == 3
+    assert delete_model_keys(cluster.url, "tiny") == len(ours)
+    left = sorted(k for keys in cluster.keys().values() for k in keys)
+    assert left == sorted(k.encode() for k in keep)
+    r.close()
+
+
+def test_a_cluster_with_slots_not_covered_fails_as_a_redis_error(cluster):
+    """The Cluster client's own exception is not a RedisError: the finalizer's retry
+    and give-up path would miss it."""
+    cluster.start(create=False)
+    started = time.monotonic()
+    with pytest.raises(redis.RedisError, match="not usable"):
+        delete_model_keys(cluster.url, "tiny", timeout=0.5)
+    assert time.monotonic() - started < 10
