@@ -220,3 +220,11 @@ def test_ranks_with_different_strategies_refuse_to_serve(demo_model):
         start_group(model, "tensor", 2, "--kv-cache-memory", "16MiB", timeout=60,
                     follower_flags={1: ["--strategy", "zero3"]})
     assert "rank 1 runs --strategy zero3 but the leader runs tensor" in str(info.value)
+
+
+def test_ranks_with_different_kv_cache_dtypes_refuse_to_serve(demo_model):
+    with pytest.raises(AssertionError) as info:
+        start_group(demo_model("llama"), "tensor", 2, "--kv-cache-memory", "16MiB", timeout=60,
+                    follower_flags={1: ["--kv-cache-dtype", "bfloat16"]})
+    assert "rank 1 has different engine settings from the leader" in str(info.value)
+    assert "--kv-cache-dtype" in str(info.value)
