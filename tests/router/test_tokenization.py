@@ -48,6 +48,28 @@ def test_chat_template_matches_transformers(checkpoint):
         assert tok.encode(tok.apply_chat_template(messages), add_special_tokens=False) == list(ids)
 
 
+def test_the_default_models_chat_template_renders_as_transformers_renders_it():
+    """SmolLM2-135M-Instruct's template (from its GGUF metadata; it adds a system prompt
+    of its own when the conversation has none), rendered by the router and by
+    transformers, on the converted folder and on transformers' own reading of the GGUF."""
+    from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
+
+    source = default_model_file()
+    folder = local_checkpoint(source)
+    tok = load(folder)
+    references = [transformers.AutoTokenizer.from_pretrained(str(folder)),
+                  transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)]
+    assert "You are a helpful AI assistant named SmolLM" in tok.apply_chat_template(CONVERSATIONS[0])
+    for ref in references:
+        for messages in CONVERSATIONS + [[{"role": "user", "content": "What is the capital of France?"}]]:
+            for gen in (True, False):
+                expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+                assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
+            ids = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            assert tok.encode(tok.apply_chat_template(messages), add_special_tokens=False) == list(ids)
+
+
 def _with_template(checkpoint, template) -> ModelTokenizer:
     config = json.loads((checkpoint / "tokenizer_config.json").read_text())
     config["chat_template"] = template

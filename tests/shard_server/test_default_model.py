@@ -8,12 +8,12 @@ from __future__ import annotations
 import functools
 import json
 
-import jinja2
 import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from kubeshard_router.tokenization import ModelTokenizer
 from kubeshard_shard.checkpoints import DEFAULT_MODEL_ID, default_model_file, local_checkpoint
 from kubeshard_shard.engine.request import make_sampling_params
 
@@ -36,11 +36,16 @@ def folder():
     return local_checkpoint(default_model_file())
 
 
+@functools.cache
+def router_tokenizer() -> ModelTokenizer:
+    return ModelTokenizer((folder() / "tokenizer.json").read_bytes(), (folder() / "tokenizer_config.json").read_bytes())
+
+
 def chat_ids(question: str) -> list[int]:
-    config = json.loads((folder() / "tokenizer_config.json").read_text())
-    text = jinja2.Template(config["chat_template"]).render(messages=[{"role": "user", "content": question}],
-                                                           add_generation_prompt=True)
-    return Tokenizer.from_file(str(folder() / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    """The prompt as the router renders and tokenizes a chat request (its rendering equals
+    transformers' apply_chat_template: tests/router/test_tokenization.py)."""
+    tok = router_tokenizer()
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
 
 
 @functools.cache
@@ -90,13 +95,12 @@ def test_greedy_answers_equal_transformers_alone_and_eight_at_once():
     served = build_engine(folder(), kv="256MiB")
     questions = list(KNOWN) + MORE
     prompts = [chat_ids(q) for q in questions]
-    alone = [run_to_completion(served.engine, [(p, make_sampling_params(max_new_tokens=24))])[0] for p in prompts[:2]]
+    alone = [run_to_completion(served.engine, [(p, make_sampling_params(max_new_tokens=24))])[0] for p in prompts]
     together = run_to_completion(served.engine, [(p, make_sampling_params(max_new_tokens=24)) for p in prompts])
     for i, prompt in enumerate(prompts):
         want = hf_greedy_until_eos(prompt, 24)
         assert [o.token_id for o in together[i]] == want, questions[i]
-        if i < len(alone):
-            assert [o.token_id for o in alone[i]] == want, questions[i]
+        assert [o.token_id for o in alone[i]] == want, questions[i]
     for i, (question, answer) in enumerate(KNOWN.items()):
         text = "".join(o.text for o in together[i])
         assert answer in text, f"{question} -> {text!r}"
