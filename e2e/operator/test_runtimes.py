@@ -25,9 +25,11 @@ from tests.support import engines
      "spec.runtime.name llamacpp and onnx serve a replica from one process"),
     ({"runtime": {"name": "onnx"}, "resources": {"cpu": "1", "gpu": 1}}, "spec.resources.gpu must be 0"),
     ({"runtime": {"name": "kubeshard", "image": "x"}}, "spec.runtime.image and spec.runtime.args are for"),
-    ({"runtime": {"name": "tensorrt-llm"}}, 'supported values: "kubeshard", "onnx", "vllm", "llamacpp"'),
+    ({"runtime": {"name": "openai"}}, "spec.runtime.name openai needs spec.runtime.image"),
+    ({"runtime": {"name": "tensorrt-llm"}},
+     'supported values: "kubeshard", "onnx", "vllm", "llamacpp", "openai"'),
 ], ids=["zero3-on-vllm", "llamacpp-without-gguf", "onnx-sharded", "onnx-gpu", "image-on-kubeshard",
-        "unknown-runtime"])
+        "openai-without-image", "unknown-runtime"])
 def test_bad_runtime_specs_are_refused_at_admission(cluster, namespace, spec, message, tmp_path):
     # the CRD alone (its schema and CEL rules) refuses them: no operator needed
     cluster.kubectl("apply", "--server-side", "-f", str(CRDS))

@@ -9,14 +9,20 @@ directly. vLLM shards inside its pod: ``spec.sharding.shards`` is its tensor-par
 size (and the pod gets that many times ``spec.resources.gpu``).
 
 A registry of engines, not a chain of ifs: each gives its default image, its command
-line and its health route.
+line and its health route. The generic ``openai`` engine (SGLang, TGI's own server,
+trtllm-serve, ...) has neither image nor command of ours: the container runs
+``spec.runtime.image``'s own entrypoint with ``spec.runtime.args``, which may name what
+kubeshard decided through Kubernetes' ``$(VAR)`` expansion: ``$(KUBESHARD_MODEL_DIR)``
+(the weights), ``$(KUBESHARD_MODEL_NAME)`` (the served model name the router sends),
+``$(KUBESHARD_PORT)`` (``spec.runtime.port``) and ``$(KUBESHARD_SHARDS)`` (the GPUs'
+tensor-parallel size).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from kubeshard_operator import naming as n
 from kubeshard_operator.config import OperatorConfig
@@ -33,8 +39,9 @@ DEFAULT_CONTEXT = 4096
 @dataclass(frozen=True)
 class PeerEngine:
     health_path: str
-    default_image: Callable[[OperatorConfig, InferenceServiceSpec], str]
-    command: Callable[[InferenceServiceSpec], list[str]]
+    # None: spec.runtime.image is required (the CRD says so), run with its own entrypoint
+    default_image: Optional[Callable[[OperatorConfig, InferenceServiceSpec], str]]
+    command: Optional[Callable[[InferenceServiceSpec], list[str]]]
 
 
 def _vllm_command(spec: InferenceServiceSpec) -> list[str]:
@@ -75,7 +82,16 @@ PEER_ENGINES = {
     "vllm": PeerEngine("/health", lambda cfg, spec: cfg.vllm_image if spec.resources.gpu > 0
                        else cfg.vllm_cpu_image, _vllm_command),
     "llamacpp": PeerEngine("/openapi.json", lambda cfg, spec: cfg.llamacpp_image, _llamacpp_command),
+    "openai": PeerEngine("/health", None, None),
 }
+
+
+def _named_for_args(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """What the generic engine's args may name as $(VAR)."""
+    return [{"name": "KUBESHARD_MODEL_DIR", "value": model_dir(spec)},
+            {"name": "KUBESHARD_MODEL_NAME", "value": spec.model.name},
+            {"name": "KUBESHARD_PORT", "value": str(spec.runtime.port)},
+            {"name": "KUBESHARD_SHARDS", "value": str(spec.sharding.shards)}]
 
 
 def engine_info_args(spec: InferenceServiceSpec) -> list[str]:
@@ -115,12 +131,19 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
     http_probe = {"httpGet": {"path": peer.health_path, "port": port}, "periodSeconds": PROBE_PERIOD,
                   "timeoutSeconds": 5}
     env = shard_env(spec, index)
+    if peer.command is not None:
+        run = {"command": peer.command(spec) + list(spec.runtime.args)}
+        engine_env = env
+    else:
+        run = {"args": list(spec.runtime.args)}
+        ours = {v["name"] for v in env}
+        engine_env = env + [v for v in _named_for_args(spec) if v["name"] not in ours]
     engine = {
         "name": "engine",
         "image": spec.runtime.image or peer.default_image(cfg, spec),
         "imagePullPolicy": pull,
-        "command": peer.command(spec) + list(spec.runtime.args),
-        "env": env,
+        **run,
+        "env": engine_env,
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": _engine_resources(spec),
         "volumeMounts": mounts,

@@ -16,9 +16,11 @@ from kubernetes.utils import parse_quantity
 
 STRATEGIES = ("tensor", "zero3")
 # The engine of a replica: kubeshard's own, ONNX Runtime GenAI inside the shard server,
-# or a peer engine behind its OpenAI-compatible HTTP API (with kubeshard engine-info).
-RUNTIMES = ("kubeshard", "onnx", "vllm", "llamacpp")
-PEER_RUNTIMES = ("vllm", "llamacpp")
+# or a peer engine behind its OpenAI-compatible HTTP API (with kubeshard engine-info):
+# vLLM, llama.cpp's server, or any other such server from the user's image (openai:
+# SGLang, TGI's own, trtllm-serve).
+RUNTIMES = ("kubeshard", "onnx", "vllm", "llamacpp", "openai")
+PEER_RUNTIMES = ("vllm", "llamacpp", "openai")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 METRICS = ("concurrency", "queueDepth", "tokensInFlight", "cpu")
 # Default HPA target per metric: requests in flight or queued per replica, queued requests
@@ -289,6 +291,9 @@ def check_runtime(spec: InferenceServiceSpec) -> None:
     if rt == "vllm" and spec.model.source.is_gguf:
         raise SpecError("spec.runtime.name vllm serves a Hugging Face folder (hf://, pvc:// or a host folder), "
                         "not a .gguf file")
+    if rt == "openai" and not spec.runtime.image:
+        raise SpecError("spec.runtime.name openai needs spec.runtime.image: the image of an OpenAI-compatible "
+                        "server (SGLang, TGI, trtllm-serve, ...), started by spec.runtime.args")
     if rt == "onnx" and (spec.runtime.image or spec.runtime.args):
         raise SpecError("spec.runtime.image and spec.runtime.args are for peer engines; the onnx runtime "
                         "runs in the shard server (spec.pod.image)")

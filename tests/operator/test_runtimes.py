@@ -74,6 +74,41 @@ def test_vllm_shards_inside_one_pod_with_all_the_groups_gpus():
     assert [c["name"] for c in template["initContainers"]] == ["download"]  # hf:// fetched first
 
 
+def test_a_generic_openai_server_runs_its_own_entrypoint_with_the_specs_args():
+    args = ["--model-path", "$(KUBESHARD_MODEL_DIR)", "--served-model-name", "$(KUBESHARD_MODEL_NAME)",
+            "--port", "$(KUBESHARD_PORT)", "--tp", "$(KUBESHARD_SHARDS)"]
+    spec = make_spec(model={"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "name": "smollm2"},
+                     sharding={"shards": 2}, resources={"gpu": 1},
+                     runtime={"name": "openai", "image": "lmsysorg/sglang:v0.5.6", "args": args, "port": 30000},
+                     engine={"maxConcurrentRequests": 64})
+    assert spec.pods_per_group == 1
+    sts = b.build_statefulset(spec, CFG, 0)
+    assert sts["spec"]["replicas"] == 1
+    containers = by_name(sts["spec"]["template"]["spec"]["containers"])
+    engine, info = containers["engine"], containers["engine-info"]
+    assert engine["image"] == "lmsysorg/sglang:v0.5.6"
+    assert "command" not in engine and engine["args"] == args  # the image's entrypoint, the spec's args
+    env = {v["name"]: v.get("value") for v in engine["env"]}
+    assert (env["KUBESHARD_MODEL_DIR"], env["KUBESHARD_MODEL_NAME"]) == ("/models/model", "smollm2")
+    assert (env["KUBESHARD_PORT"], env["KUBESHARD_SHARDS"]) == ("30000", "2")
+    assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert flag(info["args"], "--runtime") == "openai" and flag(info["args"], "--openai-port") == "30000"
+    assert flag(info["args"], "--max-concurrent-requests") == "64"
+    # the variables named for args leave the other runtimes' pods unchanged
+    vllm = make_spec(model={"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}, runtime={"name": "vllm"})
+    vllm_env = by_name(pod(vllm)["containers"])["engine"]["env"]
+    assert not any(v["name"].startswith("KUBESHARD_MODEL") for v in vllm_env)
+
+
+def test_the_users_env_wins_over_the_variables_named_for_args():
+    spec = make_spec(model={"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}, sharding={"shards": 1},
+                     runtime={"name": "openai", "image": "ghcr.io/huggingface/text-generation-inference:3.3.6"},
+                     pod={"env": [{"name": "KUBESHARD_PORT", "value": "80"}]})
+    env = [v for v in by_name(pod(spec)["containers"])["engine"]["env"] if v["name"] == "KUBESHARD_PORT"]
+    assert env == [{"name": "KUBESHARD_PORT", "value": "80"}]
+
+
 def test_onnx_runs_in_the_shard_server():
     spec = make_spec(sharding={"shards": 1}, runtime={"name": "onnx"})
     containers = pod(spec)["containers"]
@@ -96,6 +131,9 @@ def test_changing_the_runtime_rolls_the_groups():
     ({"runtime": {"name": "onnx"}, "sharding": {"shards": 1}, "resources": {"gpu": 1}},
      "spec.resources.gpu must be 0"),
     ({"runtime": {"name": "kubeshard", "image": "x"}}, "spec.runtime.image and spec.runtime.args are for"),
+    ({"runtime": {"name": "openai"}}, "spec.runtime.name openai needs spec.runtime.image"),
+    ({"runtime": {"name": "openai", "image": "x"}, "sharding": {"strategy": "zero3"}},
+     "spec.sharding.strategy zero3 needs"),
     ({"runtime": {"name": "tensorrt"}}, "spec.runtime.name 'tensorrt' is not one of"),
     ({"runtime": {"name": "vllm", "port": 0}}, "spec.runtime.port must be at least 1"),
 ])

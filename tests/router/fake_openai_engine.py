@@ -19,7 +19,8 @@ prompt's tokens. It speaks each engine's dialect closely enough for the router:
   carrying ``finish_reason``; SSE lines end in CRLF (sse-starlette); no /health route
   (its /openapi.json answers once the model is loaded).
 - ``openai``: standard OpenAI fields only (text prompt, ``stop`` trimmed from the text,
-  no ``stop_reason``); /health.
+  no ``stop_reason``); two tokens per chunk, as servers that stream text increments may
+  send; /health.
 
 A test steers it (``token_delay_s``, ``eos_after``, ``fail_status``, ``healthy``,
 ``idle_close_s``) and observes it (``bodies``, ``running``, ``disconnects``, ``dropped``,
@@ -32,6 +33,7 @@ import asyncio
 import itertools
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -76,7 +78,7 @@ class FakeOpenAIEngine:
         self.disconnects = 0                     # streams whose client went away mid-answer
         self.dropped = 0                         # requests dropped on an idle kept-alive connection
         self.connections = 0                     # distinct connections seen
-        self._last_done: dict[int, float] = {}
+        self._last_done: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport → idle since
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"fake {dialect}", daemon=True)
@@ -157,8 +159,7 @@ class FakeOpenAIEngine:
         """True when this request arrived on a kept-alive connection idle ``idle_close_s``
         or longer: the connection is closed without an answer, as an engine's server does
         when its keep-alive timer fires just as the request arrives."""
-        key = id(request.transport)
-        last = self._last_done.get(key)
+        last = self._last_done.get(request.transport)
         if last is None:
             self.connections += 1
             return False
@@ -167,14 +168,14 @@ class FakeOpenAIEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         if self._connection_is_stale(request):
             self.dropped += 1
-            self._last_done.pop(id(request.transport), None)
+            self._last_done.pop(request.transport, None)
             request.transport.close()
             raise asyncio.CancelledError()
         try:
             return await self._complete(request)
         finally:
             if request.transport is not None:
-                self._last_done[id(request.transport)] = time.monotonic()
+                self._last_done[request.transport] = time.monotonic()
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
@@ -253,12 +254,15 @@ class FakeOpenAIEngine:
         sent = 0
         try:
             chunks = []
-            for k, piece in enumerate(pieces):
-                if self.dialect == "vllm":
-                    chunks.append(self._chunk(cid, piece, body, k == len(pieces) - 1))
-                else:  # one chunk per token, then an empty one with the finish
-                    chunks.append(self._chunk(cid, {**piece, "finish_reason": None}, body, False))
-            if self.dialect != "vllm":
+            if self.dialect == "vllm":
+                chunks = [self._chunk(cid, piece, body, k == len(pieces) - 1) for k, piece in enumerate(pieces)]
+            else:  # llama.cpp: one chunk per token; a generic server may send several at once
+                step = 2 if self.dialect == "openai" else 1
+                for k in range(0, len(pieces), step):
+                    group = pieces[k:k + step]
+                    chunks.append(self._chunk(cid, {"text": "".join(p["text"] for p in group), "id": group[-1]["id"],
+                                                    "finish_reason": None, "stop_reason": None}, body, False))
+                # then an empty chunk with the finish
                 chunks.append(self._chunk(cid, {"text": "", "finish_reason": pieces[-1]["finish_reason"],
                                                 "stop_reason": None, "id": 0}, body, True))
             if (body.get("stream_options") or {}).get("include_usage"):

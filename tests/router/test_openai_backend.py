@@ -1,8 +1,10 @@
 """The router's ``openai`` backend kind (an OpenAI-compatible HTTP engine) in the normal
 suite: the real router process and the real ``kubeshard engine-info`` beside each engine
 (Info, Health, Stats), in front of FakeOpenAIEngine, a test double that speaks vLLM's and
-llama.cpp's dialects (tests/router/fake_openai_engine.py; the real engines take 15-60 min
-to build here and are covered by test_peer_engines.py under ``make test-engines``).
+llama.cpp's dialects and plain OpenAI (the generic ``openai`` runtime: SGLang, TGI's own
+server, trtllm-serve) (tests/router/fake_openai_engine.py; the real vLLM and llama.cpp
+take 15-60 min to build here and are covered by test_peer_engines.py under
+``make test-engines``).
 
 For each dialect: every TGI and OpenAI route, streamed and not, with the
 ``text-generation`` and ``openai`` clients, equals the engine's own answer, token ids
@@ -32,7 +34,7 @@ from tests.support.processes import Proc
 from tests.support.sse import sse
 from tests.support.waiting import wait_for
 
-DIALECTS = ["vllm", "llamacpp"]
+DIALECTS = ["vllm", "llamacpp", "openai"]
 MAX_TOTAL = 256
 PROMPT = "Why is the sky blue?"
 NO_CACHE = {"Cache-Control": "no-cache"}
@@ -109,7 +111,7 @@ def test_every_route_streamed_and_not_equals_the_engines_own_answer(engine):
     assert out.generated_text == expected
     assert [t.id for t in out.details.tokens] == ids  # vLLM's ids, or the router's tokenization
     assert out.details.finish_reason.value == "length" and out.details.generated_tokens == 8
-    logprob = -0.25 if engine.dialect == "vllm" else None  # llama.cpp's server runs without logprobs
+    logprob = -0.25 if engine.dialect == "vllm" else None  # not asked of llama.cpp's server and others
     assert all(t.logprob == logprob for t in out.details.tokens)
     events = list(tgi.generate_stream(PROMPT, max_new_tokens=8))
     assert [e.token.id for e in events] == ids and "".join(e.token.text for e in events) == expected
@@ -152,8 +154,14 @@ def test_every_route_streamed_and_not_equals_the_engines_own_answer(engine):
     assert len(mine) == 10 and all(b["model"] == engine.model for b in mine)
     if engine.dialect == "vllm":
         assert all(isinstance(b["prompt"], list) and b["return_tokens_as_token_ids"] for b in mine)
-    else:
+    elif engine.dialect == "llamacpp":
         assert all(isinstance(b["prompt"], str) and b["repeat_penalty"] == 1.0 for b in mine)
+    else:  # only fields of OpenAI's completions API
+        assert all(isinstance(b["prompt"], str) and set(b) <= OPENAI_FIELDS for b in mine)
+
+
+OPENAI_FIELDS = {"model", "prompt", "stream", "max_tokens", "temperature", "top_p", "seed",
+                 "frequency_penalty", "presence_penalty"}
 
 
 def test_eos_and_stop_sequences(engine):
@@ -212,6 +220,15 @@ def _load(served: Served) -> dict:
     return next(m for m in r.json()["models"] if m["model"] == served.model)
 
 
+def _engine_info_stats(served: Served):
+    import grpc
+
+    from kubeshard_proto import pb, pb_grpc
+
+    with grpc.insecure_channel(served.info.address) as channel:
+        return pb_grpc.TextGenerationStub(channel).Stats(pb.StatsRequest(), timeout=10)
+
+
 def test_load_counters_count_the_engines_streams(engine):
     engine.fake.token_delay_s = 0.05
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 40}}
@@ -229,6 +246,8 @@ def test_load_counters_count_the_engines_streams(engine):
         # each reserved its prompt and 40 new tokens, less what has streamed already
         assert 0 < busy["tokens_in_flight"] <= 2 * (len(engine.fake.tokenizer.encode(PROMPT).ids) + 40)
         assert metric(engine.router, f'kubeshard_router_in_flight{{model="{engine.model}"}}') == running
+        if engine.dialect == "vllm":  # engine-info's Stats read the engine's vllm:* gauges
+            assert _engine_info_stats(engine).running == 2
     finally:
         for t in threads:
             t.join()
@@ -282,6 +301,9 @@ REFUSED = {  # what each engine cannot give, and the request field the 422 names
              ({"typical_p": 0.5, "do_sample": True}, "typical_p")],
     "llamacpp": [({"top_n_tokens": 2}, "top_n_tokens"),
                  ({"decoder_input_details": True}, "decoder_input_details")],
+    "openai": [({"top_n_tokens": 2}, "top_n_tokens"),
+               ({"repetition_penalty": 1.2}, "repetition_penalty"),
+               ({"top_k": 5, "do_sample": True}, "top_k")],
 }
 
 
@@ -297,11 +319,11 @@ def test_what_the_engine_cannot_give_is_a_422_naming_it(engine):
     assert len(engine.fake.bodies) == seen  # refused before anything was sent
 
 
-def test_top_n_alternatives_come_from_vllm_and_are_refused_by_llamacpp(engine):
+def test_top_n_alternatives_come_from_vllm_and_are_refused_by_the_others(engine):
     r = httpx.post(engine.url + "/generate", timeout=30, headers=NO_CACHE, json={
         "inputs": PROMPT, "parameters": {"max_new_tokens": 4, "top_n_tokens": 2, "details": True}})
-    if engine.dialect == "llamacpp":  # its server runs without logprobs
-        assert r.status_code == 422 and "the llamacpp engine" in r.json()["error"]
+    if engine.dialect != "vllm":  # llama.cpp's server runs without logprobs; the others' differ
+        assert r.status_code == 422 and f"the {engine.dialect} engine" in r.json()["error"]
         return
     assert r.status_code == 200, r.text
     assert engine.fake.bodies[-1]["logprobs"] == 2

@@ -106,3 +106,38 @@ def test_llamacpp_length_ends_on_the_last_token(tokenizer):
     tokens = decode("llamacpp", tokenizer, request(stopping={"max_new_tokens": 2}),
                     [choice("a"), choice("b"), choice("", "length")])
     assert len(tokens) == 2 and tokens[-1].finish.reason == pb.FINISH_REASON_LENGTH
+
+
+def test_the_generic_openai_dialect_sends_only_openai_fields(tokenizer):
+    body = DIALECTS["openai"].body(request(sampling={"do_sample": True, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+                                                     "frequency_penalty": 0.5},
+                                           stopping={"stop_sequences": ["\n"]}), "m", tokenizer)
+    assert body == {"model": "m", "stream": True, "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+                    "frequency_penalty": 0.5, "prompt": tokenizer.decode([5, 6, 7])}  # stops: the router's
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"sampling": {"do_sample": True, "top_k": 5}}, "top_k"),
+    ({"sampling": {"do_sample": True, "min_p": 0.1}}, "min_p"),
+    ({"sampling": {"typical_p": 0.5}}, "typical_p"),
+    ({"sampling": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"sampling": {"logit_bias": {5: 1.0}}}, "logit_bias"),
+    ({"top_n_tokens": 2}, "top_n_tokens"),
+    ({"stopping": {"ignore_eos": True}}, "ignore_eos"),
+    ({"stopping": {"stop_token_ids": [3]}}, "stop_token_ids"),
+    ({"stopping": {"min_new_tokens": 2}}, "min_tokens"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+])
+def test_the_generic_openai_dialect_refuses_what_engines_name_differently(tokenizer, fields, name):
+    with pytest.raises(Unsupported, match=f"`{name}`.*the openai engine"):
+        DIALECTS["openai"].body(request(**fields), "m", tokenizer)
+
+
+def test_a_generic_piece_of_several_tokens_becomes_several_tokens(tokenizer):
+    piece = " the capital"
+    ids = tokenizer.encode(piece, add_special_tokens=False)
+    assert len(ids) > 1
+    tokens = decode("openai", tokenizer, request(stopping={"max_new_tokens": 20}), [choice(piece), choice("", "stop")])
+    assert [t.id for t in tokens[:-1]] == ids and "".join(t.text for t in tokens) == piece
+    assert tokens[-1].special and tokens[-1].finish.reason == pb.FINISH_REASON_EOS_TOKEN
+    assert tokens[-1].finish.generated_tokens == len(ids) + 1

@@ -4,8 +4,9 @@ Two kinds implement it:
 
 - ``grpc``: the Generate stream of the gRPC contract (``proto/``), what kubeshard's shard
   servers serve (its own engine, or ONNX Runtime GenAI in-process) — ``grpc_client``;
-- ``openai``: an OpenAI-compatible HTTP engine (vLLM, llama.cpp's server), streamed
-  ``POST /v1/completions`` — ``openai_http``.
+- ``openai``: an OpenAI-compatible HTTP engine (vLLM, llama.cpp's server, or any other
+  such server: SGLang, TGI's own, trtllm-serve), streamed ``POST /v1/completions`` —
+  ``openai_http``, its dialects in ``dialects``.
 
 Either way a generation is a ``GenerateStream`` of ``pb.Token`` messages, its failures are
 ``BackendError`` with the gRPC contract's status codes (so dispatch retries, refuses and
