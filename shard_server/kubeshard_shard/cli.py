@@ -149,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint is exported once with its model builder, hack/engines.sh onnx)")
 
     p = sub.add_parser("engine-info", help="answer the router's Info/Health/Stats for a peer engine "
-                                           "(vLLM, llama.cpp's server) that generates over HTTP")
-    p.add_argument("--runtime", required=True, choices=["vllm", "llamacpp"])
+                                           "(vLLM, llama.cpp's server, or any OpenAI-compatible server "
+                                           "as openai) that generates over HTTP")
+    p.add_argument("--runtime", required=True, choices=["vllm", "llamacpp", "openai"],
+                   help="the engine's dialect; openai: SGLang, TGI's own server, trtllm-serve, ...")
     p.add_argument("--model", required=True, help="the model's Hugging Face folder or .gguf file (tokenizer, "
                                                   "chat template, limits; no weights are read)")
     p.add_argument("--model-id", required=True, help="the engine's served model name")
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=positive_int, help="the engine's context length (default: "
                                                                  "min(model max positions, 4096))")
     p.add_argument("--max-concurrent-requests", type=positive_int,
-                   help="requests the engine runs at once (default: vllm 256, llamacpp 1)")
+                   help="requests the engine runs at once (default: vllm 256, llamacpp 1, openai 128)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block for prefix affinity")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

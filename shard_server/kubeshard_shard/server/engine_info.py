@@ -1,6 +1,7 @@
 """``kubeshard engine-info``: the gRPC contract's Info, Health and Stats for a peer engine.
 
-A peer engine (vLLM, llama.cpp's server) generates over its own OpenAI-compatible HTTP
+A peer engine (vLLM, llama.cpp's server, or any OpenAI-compatible server as ``openai``:
+SGLang, TGI's own, trtllm-serve) generates over its own OpenAI-compatible HTTP
 API; what that API lacks, the router still needs: the model's tokenizer and chat
 template (to validate, count, render chat and hash prefixes), its limits, its EOS ids,
 and a readiness that means "the model answers". This small server, beside the engine
@@ -11,9 +12,11 @@ generations straight to the engine (``kubeshard_router.backends.openai_http``), 
 server is never on the data path.
 
 Health is SERVING while the engine's health URL answers 200; grpc.health.v1 follows it
-(the pod's readiness probe). Stats come from the engine's Prometheus ``vllm:*`` gauges
-where it has them (vLLM); an engine without metrics reports zeros. Generate answers
-UNIMPLEMENTED, naming where generations go.
+(the pod's readiness probe). Stats (waiting, running) come from the engine's Prometheus
+gauges where it has them: vLLM's ``vllm:num_requests_*``, SGLang's
+``sglang:num_queue_reqs``/``num_running_reqs``, TGI's ``tgi_queue_size``/
+``tgi_batch_current_size``; an engine without them (llama-cpp-python has no metrics)
+reports zeros. Generate answers UNIMPLEMENTED, naming where generations go.
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ class PeerEngine:
 
 # A registry, not a chain of ifs. llama-cpp-python's server runs one request at a time
 # and has no health route: its OpenAPI page answers once the model is loaded (the
-# server starts listening after loading).
+# server starts listening after loading). SGLang, TGI and trtllm-serve all answer
+# /health once the model is loaded; 128 is TGI's default limit of concurrent requests
+# (--max-concurrent-requests says what the engine really runs).
 PEER_ENGINES = {
     "vllm": PeerEngine("vllm", "/health", "/metrics", 256),
     "llamacpp": PeerEngine("llamacpp", "/openapi.json", None, 1),
+    "openai": PeerEngine("openai", "/health", "/metrics", 128),
 }
 
 
@@ -148,8 +154,20 @@ def limits(config: EngineInfoConfig, meta: ModelMeta) -> tuple[int, int]:
     return max_input, total
 
 
-_GAUGE = re.compile(r"^(vllm:num_requests_(?:waiting|running)|vllm:kv_cache_usage_perc)\{[^}]*\}\s+(\S+)",
-                    re.M)
+# the engines' gauges of waiting and running requests: vLLM, SGLang, TGI
+_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+           "sglang:num_queue_reqs": "waiting", "sglang:num_running_reqs": "running",
+           "tgi_queue_size": "waiting", "tgi_batch_current_size": "running"}
+_GAUGE = re.compile(r"^(" + "|".join(map(re.escape, _GAUGES)) + r")(?:\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def engine_load(metrics_text: str) -> tuple[int, int]:
+    """(waiting, running) requests from an engine's Prometheus page, summed over its label
+    sets; zeros when it has none of the gauges."""
+    counts = {"waiting": 0.0, "running": 0.0}
+    for name, value in _GAUGE.findall(metrics_text):
+        counts[_GAUGES[name]] += float(value)
+    return int(counts["waiting"]), int(counts["running"])
 
 
 def _get(url: str, timeout_s: float) -> tuple[int, bytes]:
@@ -206,11 +224,7 @@ class EngineInfoService(pb_grpc.TextGenerationServicer):
                 _get, self.config.engine_url.rstrip("/") + self.engine.metrics_path, 5.0)
         except OSError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.config.runtime} metrics: {exc}")
-        for name, value in _GAUGE.findall(body.decode("utf-8", "replace")):
-            if name.endswith("waiting"):
-                stats.waiting = int(float(value))
-            elif name.endswith("running"):
-                stats.running = int(float(value))
+        stats.waiting, stats.running = engine_load(body.decode("utf-8", "replace"))
         return stats
 
     async def Generate(self, request, context):
