@@ -280,6 +280,32 @@ def test_byte_budget_drops_the_oldest_entries(demo_model, redis_url):
     client.close()
 
 
+def test_prompt_counters_are_short_lived_small_and_charged_to_the_budget(demo_model, redis_url):
+    """One-off prompts (min_hits 2: nothing is written) leave only their counters: one
+    hash per chain with an 8-byte field per block, living COUNT_TTL_S (not the entries'
+    hour), charged to the model's byte budget, which drops the oldest when short."""
+    from kubeshard_shard.activations.layout import count_field
+    from kubeshard_shard.activations.worker import COUNT_FIELD_BYTES, COUNT_TTL_S
+
+    model = demo_model()
+    per_prompt = 12 * COUNT_FIELD_BYTES                          # 200 tokens: 12 full blocks
+    eng = engine(model, redis_url, min_hits=2, max_bytes=3 * per_prompt)
+    prompts = random_prompts(5, 1000, (200, 200), seed=300)
+    for p in prompts:
+        generate(eng, [p])                                       # returns once its blocks are counted
+    client = redis.Redis.from_url(redis_url)
+    layout = _layout(model)
+    chains = {layout.seen_key(_chain_hashes(p)[0]).encode(): _chain_hashes(p) for p in prompts[-3:]}
+    assert sorted(client.scan_iter(match="kubeshard:*:seen:*")) == sorted(chains)   # the newest three
+    for key, hashes in chains.items():
+        assert 0 < client.ttl(key) <= COUNT_TTL_S < 3600
+        assert client.hgetall(key) == {count_field(h): b"1" for h in hashes}       # 12 fields of 8 bytes
+    bytes_key, _index = layout.budget_keys()
+    assert int(client.get(bytes_key)) == 3 * per_prompt
+    assert entry_keys(redis_url) == []
+    client.close()
+
+
 def test_reserved_blocks_return_to_the_pool(demo_model, redis_url):
     model = demo_model()
     populate(engine(model, redis_url), [PREFIX + TAILS[0]])

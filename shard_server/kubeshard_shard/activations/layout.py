@@ -37,6 +37,12 @@ def hex_hash(h: int) -> str:
     return f"{h:032x}"
 
 
+def count_field(h: int) -> bytes:
+    """A block's field in its chain's counter: 64 bits of its hash, raw (a third of the
+    memory of the hex name; a collision only merges two blocks' counts)."""
+    return (h & ((1 << 64) - 1)).to_bytes(8, "little")
+
+
 def root_tag(root: int) -> str:
     """The Cluster hash tag of a chain: 64 bits of its first block's hash."""
     return f"{root >> 64:016x}"
@@ -119,7 +125,9 @@ class KVLayout:
         return f"{self.prefix}:{{{root_tag(root)}}}:{hex_hash(block_hash)}"
 
     def seen_key(self, root: int) -> str:
-        """Hash of per-block counts: how many prompts held each block of the chain."""
+        """Hash of per-block counts: how many prompts held each block of the chain (per
+        block, not per prompt: two prompts that share only a prefix count its blocks
+        twice, which is what ``min_hits`` asks)."""
         return f"kubeshard:{self.model}:{self.revision}:kv:b{self.block_size}:seen:{{{root_tag(root)}}}"
 
     def budget_keys(self) -> tuple[str, str]:

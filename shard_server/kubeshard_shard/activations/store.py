@@ -13,15 +13,24 @@ not ``RedisError``s; none of them reaches the engine.
   soon as its MGET's reply is in, so checking and copying a block overlaps with the
   transfer of the next;
 - ``count_and_probe`` counts the prompts that held each block (HINCRBY in the chain's
-  counter hash) and checks which blocks already have entries on every rank (EXISTS);
+  counter hash, one 8-byte field per block) and checks which blocks already have
+  entries on every rank (EXISTS); the counter lives a shorter TTL than entries, and the
+  fields it adds are charged to the byte budget;
 - ``put`` writes entries with a TTL and charges them to the model's byte budget: an index
   (sorted by write time) and a byte counter; when the counter passes the budget, the
-  oldest entries go (and index members whose TTL ran out are dropped uncounted).
+  oldest entries and counters go (and index members whose TTL ran out are dropped
+  uncounted).
+
+An index member is ``<bytes>|<key>`` (an entry) or ``<bytes>.<nonce>|<key>`` (a charge
+for a counter's new fields: one counter is charged again as prompts add fields). A
+counter's member is scored as if written ``ttl - count ttl`` earlier, so it turns stale
+when its key expires, and goes first when the budget is short.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -148,20 +157,32 @@ class RedisTier:
 
         self.run("fetch", fetch)
 
-    def count_and_probe(self, seen_key: str, fields: list[str], rank_keys: list[list[str]],
-                        ttl_s: int) -> tuple[list[int], list[bool]]:
-        """Adds one to each block's prompt count; returns the counts and whether every
-        rank already has the block (``rank_keys[i]``: block i's key on each rank)."""
+    def count_and_probe(self, seen_key: str, fields: list[bytes], rank_keys: list[list[str]], count_ttl_s: int,
+                        budget: Budget | None = None, ttl_s: int = 0,
+                        field_bytes: int = 0) -> tuple[list[int], list[bool]]:
+        """Adds one to each block's prompt count (the counter lives ``count_ttl_s``);
+        returns the counts and whether every rank already has the block (``rank_keys[i]``:
+        block i's key on each rank). New fields are charged ``field_bytes`` each to the
+        budget, whose index lives ``ttl_s``."""
         def call(client):
             pipe = client.pipeline(transaction=False)
             for f in fields:
                 pipe.hincrby(seen_key, f, 1)
-            pipe.expire(seen_key, ttl_s)
+            pipe.expire(seen_key, count_ttl_s)
             for keys in rank_keys:
                 pipe.exists(*keys)
             out = pipe.execute()
             n = len(fields)
-            return [int(c) for c in out[:n]], [int(e) == len(k) for e, k in zip(out[n + 1:], rank_keys)]
+            counts = [int(c) for c in out[:n]]
+            added = sum(1 for c in counts if c == 1) * field_bytes
+            if budget is not None and added:
+                # scored as if written earlier: stale when the counter expires, the first to go
+                pipe = client.pipeline(transaction=False)
+                member = f"{added}.{os.urandom(4).hex()}|{seen_key}"
+                _charge(pipe, budget, {member: time.time() - (ttl_s - count_ttl_s)}, added, ttl_s)
+                if int(pipe.execute()[-2]) > budget.max_bytes:
+                    _trim(client, budget, ttl_s)
+            return counts, [int(e) == len(k) for e, k in zip(out[n + 1:], rank_keys)]
 
         return self.run("count", call)
 
@@ -176,10 +197,8 @@ class RedisTier:
             if budget is not None:
                 now = time.time()
                 # a chain's tail scores older than its head: it goes first
-                pipe.zadd(budget.index_key, {f"{len(v)}|{k}": now - i * 1e-5 for i, (k, v) in enumerate(entries)})
-                pipe.expire(budget.index_key, ttl_s)
-                pipe.incrby(budget.bytes_key, total)
-                pipe.expire(budget.bytes_key, ttl_s)
+                _charge(pipe, budget, {f"{len(v)}|{k}": now - i * 1e-5 for i, (k, v) in enumerate(entries)},
+                        total, ttl_s)
             out = pipe.execute()
             if budget is not None and int(out[-2]) > budget.max_bytes:
                 _trim(client, budget, ttl_s)
@@ -212,13 +231,22 @@ def _stream_mget(node: redis.Redis, keys: list[str], on_value: Callable[[int, by
         pool.release(conn)
 
 
+def _charge(pipe, budget: Budget, members: dict[str, float], total: int, ttl_s: int) -> None:
+    """Queues index members worth ``total`` bytes; the reply before last is the
+    model's bytes after."""
+    pipe.zadd(budget.index_key, members)
+    pipe.expire(budget.index_key, ttl_s)
+    pipe.incrby(budget.bytes_key, total)
+    pipe.expire(budget.bytes_key, ttl_s)
+
+
 def _size(member: bytes) -> int:
-    return int(member.split(b"|", 1)[0])
+    return int(member.split(b"|", 1)[0].split(b".", 1)[0])
 
 
 def _trim(client, budget: Budget, ttl_s: int) -> None:
-    """Drops index members whose entries expired, then the oldest entries, until the
-    model's bytes fit its budget (bounded work per call)."""
+    """Drops index members whose entries (or counters) expired, then the oldest, until
+    the model's bytes fit its budget (bounded work per call)."""
     stale = client.zrangebyscore(budget.index_key, "-inf", time.time() - ttl_s, start=0, num=1024)
     _drop(client, budget, stale, delete=False)
     total = int(client.get(budget.bytes_key) or 0)

@@ -31,12 +31,15 @@ import numpy as np
 import torch
 
 from kubeshard_shard.activations import codec
-from kubeshard_shard.activations.layout import KVLayout, hex_hash
+from kubeshard_shard.activations.layout import KVLayout, count_field
 from kubeshard_shard.activations.ops import NOT_MINE, RUNNING, CacheOps, Transfer
 from kubeshard_shard.activations.store import Budget, RedisTier, TierUnavailable
 from kubeshard_shard.engine.attention import KVCache
 
 log = logging.getLogger(__name__)
+
+COUNT_TTL_S = 600     # a prompt counter's lifetime (at most the entries'): min_hits prompts within it
+COUNT_FIELD_BYTES = 64  # charged to the budget per counted block (Redis uses 13-56)
 
 
 class CacheWorker:
@@ -46,6 +49,7 @@ class CacheWorker:
         self.lane = lane        # the lane whose blocks this rank holds
         self.shards = shards
         self.ttl_s, self.budget = ttl_s, budget
+        self.count_ttl_s = min(ttl_s, COUNT_TTL_S)
         self.on_done: Callable[[], None] | None = None  # the leader's engine loop wakes on it
         self._status: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -102,9 +106,9 @@ class CacheWorker:
 
         def run():
             try:
-                return self.tier.count_and_probe(self.layout.seen_key(root), [hex_hash(h) for h in hashes],
+                return self.tier.count_and_probe(self.layout.seen_key(root), [count_field(h) for h in hashes],
                                                  [[lay.key(root, h) for lay in layouts] for h in hashes],
-                                                 self.ttl_s)
+                                                 self.count_ttl_s, self.budget, self.ttl_s, COUNT_FIELD_BYTES)
             except TierUnavailable:
                 return None
             except Exception:  # noqa: BLE001 - a bug here must not fail the engine step that reads it
