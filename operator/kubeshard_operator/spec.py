@@ -194,7 +194,7 @@ class ActivationCache:
     enabled: bool = True
     min_hits: int = 2           # prompts that must hold a block before it is written
     ttl_seconds: int = 3600
-    max_bytes: int = 1024**3    # Redis bytes for this model's entries
+    max_bytes: int = 512 * 1024**2  # Redis bytes for this model's entries: half the chart's Redis
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceS
 
 def _activations(a: Mapping[str, Any]) -> ActivationCache:
     where = "spec.cache.activations"
-    max_bytes = a.get("maxBytes", "1Gi")
+    max_bytes = a.get("maxBytes", "512Mi")
     try:
         size = int(parse_quantity(str(max_bytes)))
     except ValueError:

@@ -89,7 +89,7 @@ def test_autoscaling_target_defaults_per_metric():
 def test_activation_cache_defaults_and_settings():
     from kubeshard_operator.spec import ActivationCache
 
-    assert parse_spec("tiny", "ml", spec_dict()).activations == ActivationCache(True, 2, 3600, 1024**3)
+    assert parse_spec("tiny", "ml", spec_dict()).activations == ActivationCache(True, 2, 3600, 512 * 1024**2)
     a = parse_spec("tiny", "ml", spec_dict(cache={"activations": {"enabled": False, "minHits": 3, "ttlSeconds": 60,
                                                                   "maxBytes": "512Mi"}})).activations
     assert a == ActivationCache(False, 3, 60, 512 * 1024**2)
