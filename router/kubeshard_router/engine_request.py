@@ -60,6 +60,8 @@ class EngineRequest:
     n: int = 1
     grammar: Optional[GrammarRequest] = None
     adapter: Optional[str] = None
+    # False: no speculative decoding for this request (the server's setting otherwise)
+    speculative: bool = True
 
     @property
     def token_budget(self) -> int:
@@ -88,6 +90,8 @@ class EngineRequest:
                 sampling.min_p = self.min_p
         if self.logit_bias:
             sampling.logit_bias.update(self.logit_bias)
+        if not self.speculative:
+            sampling.speculative = False
         if self.repetition_penalty is not None:
             sampling.repetition_penalty = self.repetition_penalty
         if self.frequency_penalty is not None:
@@ -131,5 +135,7 @@ class EngineRequest:
             self.spaces_between_special_tokens, self.prefill_top_n_tokens, self.n,
             None if self.grammar is None else [self.grammar.kind, self.grammar.value],
             self.adapter,
+            # sampled tokens depend on it (their distribution does not)
+            self.speculative if sampled else None,
         )
         return hashlib.blake2b(orjson.dumps(normalized), digest_size=20).hexdigest()

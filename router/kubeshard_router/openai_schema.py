@@ -76,6 +76,8 @@ class _Common(RequestBody):
                                                 json_schema_extra=_doc(exclusiveMinimum=0))
     min_p: Optional[float] = Field(None, description="Extension: in [0, 1].", json_schema_extra=_doc(minimum=0, maximum=1))
     ignore_eos: bool = Field(False, description="Extension: keep generating after end-of-sequence.")
+    speculative: bool = Field(True, description="Extension: speculative decoding for this request, when the "
+                                                 "server has it on; false decodes one token per step.")
     min_tokens: Optional[int] = Field(None, description="Extension: tokens before EOS or a stop may end the output.",
                                       json_schema_extra=_doc(minimum=0))
     stop_token_ids: Optional[list[int]] = Field(None, description="Extension: token ids that end the output.")
@@ -315,6 +317,7 @@ def _common(req: _Common, limits: Limits) -> dict[str, Any]:
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         grammar=_grammar(req),
+        speculative=req.speculative,
     )
 
 

@@ -51,6 +51,8 @@ class GenerateParameters(BaseModel):
                                        json_schema_extra=_doc(exclusiveMinimum=0, maximum=1))
     watermark: bool = Field(False, description="Not supported; must be false.", json_schema_extra=_doc(enum=[False]))
     adapter_id: Optional[str] = Field(None, description="A LoRA adapter the model serves (see /v1/models).")
+    speculative: bool = Field(True, description="Extension: speculative decoding for this request, when the "
+                                                 "server has it on; false decodes one token per step.")
 
 
 class GenerateRequest(RequestBody):
@@ -174,7 +176,7 @@ def plan_tgi(req: GenerateRequest, tokenizer: ModelTokenizer, limits: Limits, *,
         top_k=min(p.top_k, limits.vocab_size, UINT32_MAX) if p.top_k is not None else None,
         top_p=top_p, typical_p=typical_p, repetition_penalty=p.repetition_penalty,
         frequency_penalty=p.frequency_penalty, seed=seed, stop=stop, top_n_tokens=top_n,
-        prefill_details=p.decoder_input_details,
+        prefill_details=p.decoder_input_details, speculative=p.speculative,
     )
     return TgiPlan(engine=engine, prompt_tokens=len(ids),
                    return_full_text=bool(p.return_full_text), details=p.details,

@@ -85,6 +85,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=positive_int, default=64, help="largest LoRA rank accepted")
 
 
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (propose tokens cheaply, verify them in one pass; requests may "
+                             "turn it off)")
+    g.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
+                   help="ngram: look proposals up in the sequence's own tokens; draft: a smaller model of the "
+                        "same tokenizer proposes them")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="tokens proposed per step")
+    g.add_argument("--speculative-ngram-min", type=positive_int, default=2,
+                   help="shortest suffix looked up (ngram)")
+    g.add_argument("--speculative-ngram-max", type=positive_int, default=4,
+                   help="longest suffix looked up (ngram)")
+    g.add_argument("--speculative-draft-model", help="the draft model: a folder or .gguf file (draft)")
+    g.add_argument("--speculative-draft-quantize", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the draft model (float32 on CPU); int4 makes the target's "
+                        "own checkpoint a cheap draft of itself")
+
+
 def add_activation_cache_flags(p: argparse.ArgumentParser, with_url: bool) -> None:
     g = p.add_argument_group("activation cache (KV blocks of shared prompt prefixes in Redis; on with a Redis URL)")
     if with_url:
@@ -131,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=port_number, default=9400, help="Prometheus /metrics port (0: off)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="grace period for in-flight streams on SIGTERM")
     add_engine_flags(p)
+    add_speculative_flags(p)
     add_activation_cache_flags(p, with_url=True)
     add_group_flags(p)
     g = p.add_argument_group("rendezvous (rank, world size and leader address)")
@@ -199,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine of every replica: kubeshard's own, ONNX Runtime GenAI (in-process), "
                         "vLLM or llama.cpp's server (built once by hack/engines.sh NAME)")
     add_engine_flags(p)
+    add_speculative_flags(p)
     add_activation_cache_flags(p, with_url=False)
     add_group_flags(p)
     return parser

@@ -21,6 +21,8 @@ CPU_GEMMS = ("auto", "onednn", "torch")
 QUANTIZE_METHODS = ("none", "int8", "int4", "gguf")
 QUANTIZE_GROUP_SIZES = (32, 64)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -118,6 +120,59 @@ class ActivationCacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``engine.speculative``): ``method`` none, ngram (proposals
+    looked up in the sequence's own tokens: suffixes of ``ngram_min`` to ``ngram_max``
+    tokens) or draft (``draft_model``, a smaller checkpoint of the same tokenizer,
+    optionally quantized); ``num_tokens`` proposed per step."""
+
+    method: str = "none"
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: Path | None = None
+    draft_quantize: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}; got '{self.method}'")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ValueError(f"--speculative-ngram-min ({self.ngram_min}) and --speculative-ngram-max "
+                             f"({self.ngram_max}) must satisfy 1 <= min <= max <= 64")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("--speculative draft needs --speculative-draft-model (a folder or .gguf file)")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"--speculative-draft-model is only used with --speculative draft (got "
+                             f"--speculative {self.method})")
+        if self.draft_quantize not in ("none", "int8", "int4"):
+            raise ValueError(f"--speculative-draft-quantize must be none, int8 or int4; got '{self.draft_quantize}'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @classmethod
+    def from_args(cls, args: Any) -> "SpeculativeConfig":
+        draft = getattr(args, "speculative_draft_model", None)
+        return cls(method=getattr(args, "speculative", "none"), num_tokens=getattr(args, "num_speculative_tokens", 4),
+                   ngram_min=getattr(args, "speculative_ngram_min", 2),
+                   ngram_max=getattr(args, "speculative_ngram_max", 4),
+                   draft_model=Path(draft).expanduser() if draft else None,
+                   draft_quantize=getattr(args, "speculative_draft_quantize", "none"))
+
+    def to_flags(self) -> list[str]:
+        out = ["--speculative", self.method, "--num-speculative-tokens", str(self.num_tokens),
+               "--speculative-ngram-min", str(self.ngram_min), "--speculative-ngram-max", str(self.ngram_max),
+               "--speculative-draft-quantize", self.draft_quantize]
+        if self.draft_model is not None:
+            out += ["--speculative-draft-model", str(self.draft_model)]
+        return out
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
     model_id: str
@@ -144,6 +199,7 @@ class EngineConfig:
     # what the KV pool stores (auto: the model's dtype; int8: one scale per token and head)
     kv_cache_dtype: str = "auto"
     activations: ActivationCacheConfig = ActivationCacheConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     # LoRA: adapters loaded at start ((name, folder) pairs), runtime loading, slots and rank
     lora_adapters: tuple[tuple[str, str], ...] = ()
     enable_lora: bool = False
@@ -213,6 +269,7 @@ class EngineConfig:
             quantize_group_size=getattr(args, "quantize_group_size", 32),
             kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             activations=ActivationCacheConfig.from_args(args, getattr(args, "redis_url", None)),
+            speculative=SpeculativeConfig.from_args(args),
             lora_adapters=tuple(parse_lora_adapter(a) for a in getattr(args, "lora_adapter", None) or ()),
             enable_lora=getattr(args, "enable_lora", False),
             max_loras=getattr(args, "max_loras", 8),
@@ -242,7 +299,7 @@ class EngineConfig:
         if self.enable_lora:
             out.append("--enable-lora")
         out += ["--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
-        return out + self.activations.to_flags()
+        return out + self.activations.to_flags() + self.speculative.to_flags()
 
 
 def parse_lora_adapter(text: str) -> tuple[str, str]:

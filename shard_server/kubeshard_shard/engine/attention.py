@@ -153,7 +153,7 @@ class PagedAttention:
         meta, cache = self.meta, self.cache
         cache.write(layer_idx, meta.slot_mapping, k, v)
         n = meta.num_decode
-        if n == q.shape[0] and not meta.prefills:  # a decode-only step: the kernel writes the result
+        if n and n == q.shape[0] and not meta.prefills:  # a decode-only step: the kernel writes the result
             return decode_attention(q, cache, layer_idx, meta, scale, self.decode_kernel)
         out = torch.empty_like(q)
         if n:

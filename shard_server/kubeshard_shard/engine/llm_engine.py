@@ -9,6 +9,9 @@ single process or a tensor-parallel group has one lane; a zero3 group has one pe
 step's inputs (one per lane) are computed is the ``StepExecutor``'s business: the
 group's sharding strategy, handed to the engine at construction.
 
+With a ``Speculator`` (``engine.speculative``), decoding sequences get proposals after
+scheduling and their verification rows are settled in the update.
+
 With an activation cache (``activations.coordinator``), a new request whose prompt
 prefix may be in Redis waits aside while its blocks are fetched, then joins its lane's
 queue and finds them in the prefix cache; the cache settles its transfers before each
@@ -28,8 +31,10 @@ from kubeshard_shard.engine.block_manager import BlockManager
 from kubeshard_shard.engine.detokenizer import IncrementalDetokenizer
 from kubeshard_shard.engine.grammar import GrammarCache
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs, StepPlan
+from kubeshard_shard.engine.rejection import verify
 from kubeshard_shard.engine.sampler import Sampler
 from kubeshard_shard.engine.scheduler import Scheduler
+from kubeshard_shard.engine.speculative import SpeculativeStats, Speculator
 from kubeshard_shard.engine.request import RequestError
 from kubeshard_shard.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from kubeshard_shard.models.lora import AdapterError
@@ -103,6 +108,7 @@ class EngineStats:
     waiting_adapters: list[str] = field(default_factory=list)
     max_loras: int = 0
     activation_cache: ActivationCacheStats | None = None
+    speculative: SpeculativeStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -123,9 +129,9 @@ class Lane:
 
     @classmethod
     def create(cls, index: int, num_blocks: int, block_size: int, prefix_caching: bool, max_batch_tokens: int,
-               max_num_seqs: int) -> "Lane":
+               max_num_seqs: int, lookahead: Callable[[Sequence], int] | None = None) -> "Lane":
         bm = BlockManager(num_blocks, block_size, prefix_caching)
-        return cls(index, bm, Scheduler(bm, max_batch_tokens, max_num_seqs))
+        return cls(index, bm, Scheduler(bm, max_batch_tokens, max_num_seqs, lookahead))
 
     @property
     def load(self) -> int:
@@ -178,9 +184,11 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: ModelTokenizer, lanes: list[Lane],
-                 executor: StepExecutor, cache: ActivationCache | None = None) -> None:
+                 executor: StepExecutor, cache: ActivationCache | None = None,
+                 speculator: Speculator | None = None) -> None:
         self.runner = runner
         self.cache = cache
+        self.speculator = speculator  # its lookahead must be the lanes' schedulers' (Lane.create)
         self.tokenizer = tokenizer
         self.lanes = lanes
         self.executor = executor
@@ -343,6 +351,8 @@ class LLMEngine:
         if self.cache is not None:
             total.waiting += self.cache.num_held
             total.activation_cache = self.cache.stats()
+        if self.speculator is not None:
+            total.speculative = self.speculator.stats()
         return total
 
     # ---- the step ------------------------------------------------------------------
@@ -357,6 +367,10 @@ class LLMEngine:
         scheds = [s.scheduler.schedule() for s in self.lanes]
         if all(sched.is_empty for sched in scheds):
             return []
+        if self.speculator is not None:
+            for lane, sched in zip(self.lanes, scheds):
+                self.speculator.propose(lane.index, [(seq, n) for seq, n in zip(sched.decodes, sched.lookaheads)
+                                                     if n > 0])
         plans = [None if sched.is_empty else self.runner.prepare(sched) for sched in scheds]
         logits = self.executor.execute(self.runner, [None if p is None else p.inputs for p in plans])
         outputs: list[TokenOutput] = []
@@ -371,6 +385,8 @@ class LLMEngine:
     def _update(self, lane: Lane, sched, plan: StepPlan, logits: torch.Tensor) -> list[TokenOutput]:
         bm = lane.block_manager
         for seq in sched.decodes:
+            if seq.spec_tokens:
+                continue  # settled with its verification below
             seq.num_computed_tokens += 1
             bm.cache_full_blocks(seq)
         for seq, n in sched.prefills:
@@ -391,6 +407,29 @@ class LLMEngine:
             if not request.forked:
                 self._fork(request)
             outputs.append(self._append_token(request.states[seq.index], tok))
+        for seq, row, count in plan.verify:
+            outputs.extend(self._settle_verification(bm, seq, logits[row:row + count]))
+        return outputs
+
+    def _settle_verification(self, bm: BlockManager, seq: Sequence, logits: torch.Tensor) -> list[TokenOutput]:
+        """Appends what a speculative step emits for ``seq``: its kept proposals and one
+        more token, each computed position counted first, stopping where it stops."""
+        proposed, position = len(seq.spec_tokens), seq.num_tokens - 1
+        request = self.requests.get(seq.key)
+        outputs: list[TokenOutput] = []
+        if request is not None and not seq.aborted:
+            tokens = verify(logits, seq)
+            self.speculator.verified(seq, position, proposed, len(tokens) - 1)
+            state = request.states[seq.index]
+            for tok in tokens:
+                seq.num_computed_tokens += 1
+                out = self._append_token(state, tok)
+                outputs.append(out)
+                if out.finish is not None:
+                    break
+            if seq.status is not SequenceStatus.FINISHED:
+                bm.cache_full_blocks(seq)
+        seq.spec_tokens, seq.spec_probs = [], None
         return outputs
 
     def _record_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:

@@ -3,8 +3,13 @@
 ``prepare`` (leader only) flattens the step into a ``StepInputs``: plain tensors that a
 sharded group can broadcast to its other ranks, which then call ``run`` on the same
 inputs. ``run`` writes the step's K/V into the paged cache and returns the logits of
-the rows that need them (the last token of every sequence that samples, plus the
-prompt positions of requests that asked for prompt log-probabilities).
+the rows that need them (the last token of every sequence that samples, every token of
+a speculative verification, plus the prompt positions of requests that asked for
+prompt log-probabilities).
+
+Token order in a step: plain decodes (one token each, the decode kernel's rows), then
+speculative verifications (a decoding sequence's newest token and its proposals, as a
+chunk over its cached context), then prefill chunks.
 """
 
 from __future__ import annotations
@@ -42,11 +47,14 @@ class StepPlan:
 
     inputs: StepInputs
     sample_seqs: list[Sequence]          # rows 0..len-1 of the logits, in order
+    # (sequence, first logits row, number of rows) of each speculative verification
+    verify: list[tuple[Sequence, int, int]] = field(default_factory=list)
     # (sequence, first logits row, number of rows, first prompt token index they predict)
     prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
 
-def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+def slots_of(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV slots of positions [start, end) of a sequence with block table ``table``."""
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
@@ -68,7 +76,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
 
-        decodes = sched.decodes
+        decodes = [seq for seq in sched.decodes if not seq.spec_tokens]
+        verifies = [seq for seq in sched.decodes if seq.spec_tokens]
         if self.lora is not None:  # rows of one adapter side by side: each adapter is one slice (models.lora)
             decodes = sorted(decodes, key=lambda s: s.adapter_slot)
         tables, lens = [], []
@@ -83,6 +92,19 @@ class ModelRunner:
             sample_seqs.append(seq)
 
         chunks, context_slots = [], []
+        verify_rows: list[tuple[Sequence, int, int]] = []  # (sequence, first token, tokens)
+        for seq in verifies:
+            start = seq.num_tokens - 1
+            tokens = [seq.token_ids[start]] + seq.spec_tokens
+            end = start + len(tokens)
+            verify_rows.append((seq, len(ids), len(tokens)))
+            chunks.append((len(ids), len(tokens), start))
+            context_slots.append(
+                torch.tensor(slots_of(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
+            ids.extend(tokens)
+            pos.extend(range(start, end))
+            slots.extend(slots_of(seq.block_table, start, end, bs))
+
         prompt_plan: list[tuple[Sequence, list[int], int]] = []
         for seq, n in sched.prefills:
             start = seq.num_computed_tokens
@@ -90,10 +112,10 @@ class ModelRunner:
             q_start = len(ids)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
-            slots.extend(_slots(seq.block_table, start, end, bs))
+            slots.extend(slots_of(seq.block_table, start, end, bs))
             chunks.append((q_start, n, start))
             context_slots.append(
-                torch.tensor(_slots(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
+                torch.tensor(slots_of(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
             if seq.params.prefill_details and seq.preemptions == 0:
                 # positions start..last-1 predict prompt tokens start+1..last
                 last = min(end, seq.num_prompt_tokens - 1)
@@ -104,6 +126,10 @@ class ModelRunner:
                 sample_seqs.append(seq)
 
         rows = list(sample_rows)
+        verify = []
+        for seq, first, count in verify_rows:
+            verify.append((seq, len(rows), count))
+            rows.extend(range(first, first + count))
         prompt_rows = []
         for seq, chunk_rows, first_token in prompt_plan:
             prompt_rows.append((seq, len(rows), len(chunk_rows), first_token))
@@ -128,12 +154,13 @@ class ModelRunner:
             prefill_chunks=chunks,
             context_slots=context_slots,
         )
-        if self.lora is not None and (any(s.adapter_slot for s in decodes)
+        if self.lora is not None and (any(s.adapter_slot for s in sched.decodes)
                                       or any(s.adapter_slot for s, _ in sched.prefills)):
-            per_token = [s.adapter_slot for s in decodes] + [s.adapter_slot for s, n in sched.prefills
-                                                               for _ in range(n)]
+            per_token = ([s.adapter_slot for s in decodes]
+                         + [s.adapter_slot for s, _, count in verify_rows for _ in range(count)]
+                         + [s.adapter_slot for s, n in sched.prefills for _ in range(n)])
             inputs.lora_slots = per_token
-        return StepPlan(inputs, sample_seqs, prompt_rows)
+        return StepPlan(inputs, sample_seqs, verify=verify, prompt_rows=prompt_rows)
 
     def metadata(self, inputs: StepInputs) -> AttentionMetadata:
         dev = self.device

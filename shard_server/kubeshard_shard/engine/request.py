@@ -61,6 +61,7 @@ def make_sampling_params(
     n: int = 1,
     grammar: GrammarSpec | None = None,
     adapter: str | None = None,
+    speculative: bool = True,
 ) -> SamplingParams:
     for name, value in (("temperature", temperature), ("top_p", top_p), ("typical_p", typical_p),
                         ("repetition_penalty", repetition_penalty), ("frequency_penalty", frequency_penalty),
@@ -138,6 +139,7 @@ def make_sampling_params(
         n=n,
         grammar=grammar,
         adapter=adapter or None,
+        speculative=bool(speculative),
     )
 
 

@@ -2,7 +2,8 @@
 
 Each step fills a token budget (``max_batch_tokens``) in this order:
   1. one token for every running sequence that is decoding — decodes never wait
-     behind a long prompt;
+     behind a long prompt — plus room for its speculative proposals, if any
+     (``lookahead``, see ``engine.speculative``);
   2. the next chunk of every running sequence still in its prefill;
   3. new (or preempted) sequences from the waiting queue, first come first served,
      starting after the longest cached prefix of their tokens.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kubeshard_shard.engine.block_manager import BlockManager
 from kubeshard_shard.engine.sequence import Sequence, SequenceStatus
@@ -24,13 +26,15 @@ from kubeshard_shard.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)
+    # per decode: how many speculative proposals its reserved slots can hold
+    lookaheads: list[int] = field(default_factory=list)
     # (sequence, number of its tokens computed in this step)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(self.lookaheads) + sum(n for _, n in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -38,8 +42,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
+                 lookahead: Callable[[Sequence], int] | None = None) -> None:
         self.block_manager = block_manager
+        self.lookahead = lookahead
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -71,6 +77,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)
         seq.num_computed_tokens = 0
+        seq.draft_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.preemptions += 1
         self.preemptions_total += 1
@@ -99,10 +106,12 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
-            if self._reserve(seq, 1, out, scheduled):
+            extra = min(self.lookahead(seq), budget - 1) if self.lookahead is not None else 0
+            if self._reserve(seq, 1 + extra, out, scheduled):
                 out.decodes.append(seq)
+                out.lookaheads.append(extra)
                 scheduled.add(id(seq))
-                budget -= 1
+                budget -= 1 + extra
 
         # 2. prefill chunks of running sequences
         for seq in list(self.running):

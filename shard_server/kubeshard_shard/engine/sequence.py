@@ -61,6 +61,9 @@ class SamplingParams:
     n: int = 1
     grammar: GrammarSpec | None = None
     adapter: str | None = None
+    # speculative decoding for this request, when the server has a proposer (off: one
+    # token per step, as without it)
+    speculative: bool = True
 
     def seed_of(self, index: int) -> int | None:
         """The seed of sequence ``index`` of an n-sequence request."""
@@ -113,6 +116,13 @@ class Sequence:
         self.hash_root: int | None = None
         # logit_bias as (ids, values) tensors, built on first use by the sampler
         self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        # speculative decoding (engine.speculative): this step's proposed tokens, the
+        # draft model's distributions they were drawn from ([k, vocab]; None: proposals
+        # that are certain, as n-gram lookups and greedy drafts are), and how many
+        # leading tokens the draft model's KV pool holds
+        self.spec_tokens: list[int] = []
+        self.spec_probs: torch.Tensor | None = None
+        self.draft_computed = 0
 
     @property
     def num_tokens(self) -> int:

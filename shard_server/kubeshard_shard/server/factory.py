@@ -28,6 +28,7 @@ from kubeshard_shard.engine.sequence import SamplingParams
 from kubeshard_shard.models.config import ModelConfig, load_model_config
 from kubeshard_shard.models.loader import load_model
 from kubeshard_shard.models.lora import AdapterRegistry, enable_lora, load_adapter
+from kubeshard_shard.server.speculation import build_speculator
 from kubeshard_shard.tokenizer import ModelTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -199,14 +200,18 @@ def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
                     model_config.head_dim, compute.cache_dtype, compute.device, compute.kernels)
     runner = ModelRunner(model, cache, compute.device, compute.decode_kernel, build_lora(config, strategy, model, compute))
+    # the leader proposes; followers only verify, as ordinary steps
+    speculator = build_speculator(config, model_config, compute, tokenizer, limits, num_blocks,
+                                  strategy.lanes) if strategy.rank == 0 else None
+    lookahead = speculator.lookahead if speculator is not None else None
     lanes = [Lane.create(i, num_blocks, config.block_size, config.enable_prefix_caching, config.max_batch_tokens,
-                         config.max_num_seqs) for i in range(strategy.lanes)]
+                         config.max_num_seqs, lookahead) for i in range(strategy.lanes)]
     worker = build_cache_worker(config, model_config, strategy, cache, compute)
     coordinator = None
     if worker is not None and strategy.rank == 0:
         coordinator = ActivationCache(config.activations, worker, lambda ops: strategy.exchange_cache(ops, worker),
                                       config.block_size)
-    engine = LLMEngine(runner, tokenizer, lanes, strategy, coordinator)
+    engine = LLMEngine(runner, tokenizer, lanes, strategy, coordinator, speculator)
     log.info("loaded %s (%s, %s%s on %s, GEMM %s, decode kernel %s): %d KV blocks of %d tokens (%s); limits "
              "input %d, total %d", config.model_id, model_config.architecture,
              str(compute.dtype).removeprefix("torch."),

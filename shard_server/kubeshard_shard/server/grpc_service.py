@@ -87,6 +87,7 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         n=request.n or 1,
         grammar=grammar_spec(request),
         adapter=request.adapter or None,
+        speculative=s.speculative if s.HasField("speculative") else True,
     )
 
 

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from kubeshard_shard.activations.coordinator import FETCH_BUCKETS, ActivationCacheStats
 from kubeshard_shard.engine.llm_engine import EngineStats
+from kubeshard_shard.engine.speculative import SpeculativeStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)
@@ -80,6 +81,22 @@ class _StatsCollector(Collector):
                       "(waits included).", s.comm_seconds_total)
         if s.activation_cache is not None:
             yield from _activation_cache_metrics(s.activation_cache, gauge, counter, labels, values)
+        if s.speculative is not None:
+            yield from _speculative_metrics(s.speculative, gauge, counter, labels, values)
+
+
+def _speculative_metrics(sp: SpeculativeStats, gauge, counter, labels, values):
+    """vLLM's speculative-decoding counters (the names its dashboards read)."""
+    yield counter("vllm:spec_decode_num_drafts", "Verification steps (one per sequence per step).", sp.drafts)
+    yield counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed.", sp.draft_tokens)
+    yield counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens kept.", sp.accepted_tokens)
+    per = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Drafts whose proposal at this position was kept.", labels=labels + ["position"])
+    for position, n in enumerate(sp.accepted_per_position):
+        per.add_metric(values + [str(position)], n)
+    yield per
+    yield gauge("kubeshard_engine_spec_decode_mean_acceptance_length",
+                "Tokens emitted per verification step since start (kept proposals + 1).", sp.mean_acceptance_length)
 
 
 def _activation_cache_metrics(a: ActivationCacheStats, gauge, counter, labels, values):

@@ -1,0 +1,98 @@
+"""Speculative decoding: guess a few tokens cheaply, let the model check them at once.
+
+Decoding one token per step reads every weight once per token; a step over ``k + 1``
+tokens of one sequence costs little more on a memory-bound machine. So for each
+decoding sequence that speculates, the engine:
+
+1. *schedules* it with room for ``1 + k`` tokens (``lookahead``: the scheduler reserves
+   their KV slots, preempting as for any allocation);
+2. *proposes* up to ``k`` tokens (``Proposer``: ``engine.ngram`` looks them up in the
+   sequence's own tokens, ``engine.draft`` asks a smaller model);
+3. *verifies* them: the model runner computes the newest token and the proposals as one
+   chunk over the cached context (an ordinary step for every rank of a sharded group),
+   and ``engine.rejection`` keeps the longest agreeing run plus one more token — the
+   same tokens as without speculation for greedy requests, the same distribution for
+   sampled ones.
+
+K/V written for refused proposals sit past ``num_computed_tokens`` and are overwritten
+by later steps; the prefix cache only registers blocks of kept tokens.
+
+A request speculates unless it turned it off, and only where the one-token-at-a-time
+semantics need no state between positions: not under a grammar, repetition/frequency/
+presence penalties, or before ``min_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kubeshard_shard.engine.sequence import Sequence
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, lane_index: int, batch: list[tuple[Sequence, int]]) -> None:
+        """Sets ``seq.spec_tokens`` (at most its budget) and ``seq.spec_probs`` for each
+        (sequence, budget) of one lane."""
+
+    def verified(self, seq: Sequence, position: int, proposed: int, emitted: int) -> None:
+        """Hears how a sequence's proposals fared: its newest token was at ``position``,
+        ``proposed`` tokens were checked and ``emitted`` tokens came out."""
+
+
+@dataclass
+class SpeculativeStats:
+    """Totals since start, with vLLM's meanings: a *draft* is one sequence's proposals
+    in one step; ``accepted_per_position[i]`` counts drafts whose (i+1)-th proposal
+    was kept."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (kept proposals + 1)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_tokens: int) -> None:
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.totals = SpeculativeStats(accepted_per_position=[0] * num_tokens)
+
+    @property
+    def method(self) -> str:
+        return self.proposer.name
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Proposals a decoding sequence may get this step (0: it decodes one token)."""
+        p = seq.params
+        if not p.speculative or seq.matcher is not None or p.has_penalties:
+            return 0
+        if seq.num_output_tokens < p.min_new_tokens:
+            return 0
+        return max(0, min(self.num_tokens, p.max_new_tokens - seq.num_output_tokens - 1))
+
+    def propose(self, lane_index: int, batch: list[tuple[Sequence, int]]) -> None:
+        if batch:
+            self.proposer.propose(lane_index, batch)
+
+    def verified(self, seq: Sequence, position: int, proposed: int, kept: int) -> None:
+        """Counts one verification (``kept`` proposals of ``proposed``, then one more
+        token) and tells the proposer."""
+        t = self.totals
+        t.drafts += 1
+        t.draft_tokens += proposed
+        t.accepted_tokens += kept
+        for i in range(kept):
+            t.accepted_per_position[i] += 1
+        self.proposer.verified(seq, position, proposed, kept + 1)
+
+    def stats(self) -> SpeculativeStats:
+        t = self.totals
+        return SpeculativeStats(t.drafts, t.draft_tokens, t.accepted_tokens, list(t.accepted_per_position))
