@@ -136,8 +136,16 @@ class RouterState:
         replicas = GaugeMetricFamily("kubeshard_router_replicas", "Known replicas", labels=["model"])
         outstanding = GaugeMetricFamily("kubeshard_router_replica_outstanding", "Requests outstanding "
                                         "per replica", labels=["model", "replica"])
+        # The autoscaler's token signals (load.LoadTracker), for prometheus-adapter users.
+        tokens = GaugeMetricFamily("kubeshard_router_tokens_in_flight", "Prompt tokens plus the new tokens "
+                                   "still reserved by the requests this router holds", labels=["model"])
+        rate = GaugeMetricFamily("kubeshard_router_tokens_per_second", "Output tokens per second over the "
+                                 "last ten seconds", labels=["model"])
         for m in list(self.registry.models.values()):
             waiting = self.activator.held(m.name)
+            load = m.load.snapshot()
+            tokens.add_metric([m.name], load.tokens_in_flight)
+            rate.add_metric([m.name], load.tokens_per_second)
             queue.add_metric([m.name], m.admission.queued + waiting)
             batch.add_metric([m.name], m.admission.in_flight)
             in_flight.add_metric([m.name], m.admission.in_flight)
@@ -150,4 +158,4 @@ class RouterState:
                                      "absent without Redis")
         if self.store is not None:
             redis_up.add_metric([], 1.0 if self.store.up else 0.0)
-        return [queue, batch, in_flight, queued, ready, replicas, outstanding, redis_up]
+        return [queue, batch, in_flight, queued, ready, replicas, outstanding, tokens, rate, redis_up]

@@ -123,3 +123,80 @@ def test_a_request_held_too_long_says_the_model_is_starting_and_how_long_it_wait
     assert r.status_code == 503
     message = r.json()["error"]
     assert "is starting" in message and "within 0.5s" in message and "waited 0." in message, message
+
+
+def _gauge(url: str, name: str, model: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    (sample,) = [s for s in families[name].samples if s.labels == {"model": model}]
+    return sample.value
+
+
+def test_token_gauges_on_metrics_follow_the_streams(make_router):
+    """kubeshard_router_tokens_in_flight and _tokens_per_second on a live /metrics (what a
+    prometheus-adapter rule reads for tokensInFlight and tokens/s)."""
+    h = make_router()
+    h.stub().behaviour.token_delay_s = 0.05
+    assert _gauge(h.url, "kubeshard_router_tokens_in_flight", "stub") == 0
+    assert _gauge(h.url, "kubeshard_router_tokens_per_second", "stub") == 0
+    results: list = []
+    body = {"inputs": "hi", "parameters": {"max_new_tokens": 40}}
+    threads = [post_in_thread(h.url + "/generate_stream", body, results) for _ in range(2)]
+    busy = wait_until(lambda: (v := _gauge(h.url, "kubeshard_router_tokens_in_flight", "stub")) > 2 * 20 and v,
+                      10, interval=0.02, what="both streams' tokens in the gauge")
+    assert busy <= 2 * (40 + 8)  # prompts ("hi": a few tokens) plus 40 reserved each, less what streamed
+    for t in threads:
+        t.join()
+    assert [r[0] for r in results] == [200, 200]
+    assert _gauge(h.url, "kubeshard_router_tokens_in_flight", "stub") == 0
+    assert _gauge(h.url, "kubeshard_router_tokens_per_second", "stub") > 0  # 80 tokens in the last seconds
+
+
+def test_requests_beyond_the_hold_bound_get_429_with_retry_after(make_router):
+    """A model at zero holds at most --max-queue-per-model requests; the next one is told
+    to come back (429, Retry-After), and the held ones are served once a replica is ready."""
+    h = make_router(max_queue_per_model=2, activation_timeout_s=30)
+    h.stub().behaviour.serving = False
+    h.wait_ready("stub", 0)
+    held: list = []
+    body = {"inputs": "hi", "parameters": {"max_new_tokens": 3}}
+    threads = [post_in_thread(h.url + "/generate", body, held) for _ in range(2)]
+    assert wait_for(lambda: h.state.activator.held("stub") == 2, timeout=10)
+    r = httpx.post(h.url + "/generate", json=body, timeout=10)
+    assert r.status_code == 429 and r.headers["Retry-After"] == "5"
+    assert r.json()["error_type"] == "overloaded"
+    assert "is starting and 2 requests already wait" in r.json()["error"], r.text
+    chat = httpx.post(h.url + "/v1/chat/completions", timeout=10,
+                      json={"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == 429 and chat.headers["Retry-After"] == "5"
+    h.stub().behaviour.serving = True
+    for t in threads:
+        t.join()
+    assert [s for s, _, _ in held] == [200, 200]
+    assert h.state.activator.held("stub") == 0
+
+
+def test_the_readmes_prometheus_adapter_rules_serve_the_four_metrics_from_live_gauges(make_router):
+    """The README's prometheus-adapter option names the metrics server's four metrics, and
+    every router series its rules read is on a live /metrics."""
+    import re
+    from pathlib import Path
+
+    import yaml
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kubeshard_operator.naming import CUSTOM_METRICS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL) if "seriesQuery" in b]
+    rules = yaml.safe_load(block)["rules"]["custom"]
+    assert [r["name"]["as"] for r in rules] == list(CUSTOM_METRICS)
+    h = make_router()
+    assert httpx.post(h.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    live = {s.name for f in text_string_to_metric_families(httpx.get(h.url + "/metrics").text) for s in f.samples
+            if s.labels.get("model") == "stub"}
+    for rule in rules:
+        used = set(re.findall(r"kubeshard_router_\w+", rule["seriesQuery"] + rule["metricsQuery"]))
+        assert used and used <= live, (rule["name"], used - live)
+        assert rule["resources"]["overrides"]["model"] == {"group": "kubeshard.io", "resource": "inferenceservice"}
