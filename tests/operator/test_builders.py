@@ -1,3 +1,5 @@
+import pytest
+
 from kubeshard_operator import builders as b
 from kubeshard_operator import naming as n
 from tests.operator.factories import CFG, OWNER_BODY, make_spec
@@ -186,6 +188,30 @@ def test_hpa_targets_the_scale_subresource_and_never_goes_below_one():
     cpu = b.build_hpa(make_spec(autoscaling={"maxReplicas": 2, "metric": "cpu", "target": 70}))
     assert cpu["spec"]["metrics"][0]["resource"]["target"] == {
         "type": "Utilization", "averageUtilization": 70}
+
+
+@pytest.mark.parametrize("metric, name", [("tokensInFlight", "tokens_in_flight"), ("queueDepth", "queue_depth")])
+def test_hpa_on_a_token_or_queue_metric_keeps_the_specs_target_and_stabilization_windows(metric, name):
+    hpa = b.build_hpa(make_spec(autoscaling={"minReplicas": 0, "maxReplicas": 3, "metric": metric, "target": 1500,
+                                             "scaleUpStabilizationSeconds": 15,
+                                             "scaleDownStabilizationSeconds": 240}))
+    (m,) = hpa["spec"]["metrics"]
+    assert m == {"type": "Object", "object": {
+        "describedObject": {"apiVersion": "kubeshard.io/v1alpha1", "kind": "InferenceService", "name": "tiny"},
+        "metric": {"name": name},
+        "target": {"type": "AverageValue", "averageValue": "1500"}}}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
+    behavior = hpa["spec"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 15
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 240
+    assert behavior["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 60}]
+
+
+def test_hpa_defaults_for_tokens_in_flight():
+    hpa = b.build_hpa(make_spec(autoscaling={"maxReplicas": 2, "metric": "tokensInFlight"}))
+    assert hpa["spec"]["metrics"][0]["object"]["target"] == {"type": "AverageValue", "averageValue": "2048"}
+    assert hpa["spec"]["behavior"]["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300  # the spec default
 
 
 def test_url_points_at_the_router_or_the_leader_service():
