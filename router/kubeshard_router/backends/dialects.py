@@ -21,13 +21,14 @@ chunks (``openai_http._Decoder`` turns them into tokens).
 - ``openai`` (generic: SGLang, TGI's own server, trtllm-serve, llama.cpp's
   ``llama-server``): only the fields of OpenAI's completions API (prompt as text,
   ``max_tokens``, ``temperature``, ``top_p``, ``seed``, frequency and presence
-  penalties), so any of them honours what is sent. A streamed piece may hold several
-  tokens: their ids are the router's tokenization of the piece, their logprobs unknown.
+  penalties), whose meaning is the same everywhere (a server that lacks one of them,
+  such as the penalties, ignores it: the router cannot tell). A streamed piece may hold
+  several tokens: their ids are the router's tokenization of the piece, their logprobs
+  unknown.
   Stop sequences are matched by the router (the API trims them and cannot say which one
   matched). Everything else (top-k, min-p, typical-p, repetition penalty, logit bias,
   top-n alternatives, ignoring EOS, stop token ids, a minimum length, keeping special
-  tokens) is refused: engines name and honour those differently or not at all, and a
-  field silently ignored would change the answer unseen.
+  tokens) is refused: engines name and honour those differently or not at all.
 """
 
 from __future__ import annotations
