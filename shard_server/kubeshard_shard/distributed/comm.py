@@ -1,10 +1,10 @@
 """A shard group's communicator: rendezvous, agreement checks, and collectives.
 
 Two timeouts: rendezvous and loading may take long (workers wait for their leader,
-which may be pulling a model), so the default group uses ``--dist-timeout``; every
-collective of the serving loop runs on a second group with a short timeout, so a dead
+which may be pulling a model), so torch's default process group uses ``--dist-timeout``;
+every collective of the serving loop runs on a second process group with a short timeout, so a dead
 or stuck peer ends the whole group within bounded time instead of hanging it.
-On CUDA one group carries both backends: NCCL for tensors on the GPU, gloo for the
+On CUDA one process group carries both backends: NCCL for tensors on the GPU, gloo for the
 control messages that stay on the CPU.
 """
 

@@ -24,36 +24,36 @@ class ShardingError(ValueError):
     """The model's sizes do not divide by the shard count."""
 
 
-def check_divisible(config: ModelConfig, world: int) -> None:
+def check_divisible(config: ModelConfig, shards: int) -> None:
     problems = []
     h, kv = config.num_attention_heads, config.num_key_value_heads
-    if h % world:
-        problems.append(f"num_attention_heads ({h}) is not divisible by {world}")
-    if kv % world and world % kv:
-        problems.append(f"num_key_value_heads ({kv}) neither divides nor is divisible by {world}")
-    if config.intermediate_size % world:
-        problems.append(f"intermediate_size ({config.intermediate_size}) is not divisible by {world}")
-    if config.vocab_size % world:
-        problems.append(f"vocab_size ({config.vocab_size}) is not divisible by {world}")
+    if h % shards:
+        problems.append(f"num_attention_heads ({h}) is not divisible by {shards}")
+    if kv % shards and shards % kv:
+        problems.append(f"num_key_value_heads ({kv}) neither divides nor is divisible by {shards}")
+    if config.intermediate_size % shards:
+        problems.append(f"intermediate_size ({config.intermediate_size}) is not divisible by {shards}")
+    if config.vocab_size % shards:
+        problems.append(f"vocab_size ({config.vocab_size}) is not divisible by {shards}")
     if problems:
-        raise ShardingError(f"cannot split {config.architecture} over {world} shards with --strategy tensor: "
+        raise ShardingError(f"cannot split {config.architecture} over {shards} shards with --strategy tensor: "
                             + "; ".join(problems))
 
 
-def local_kv_heads(config: ModelConfig, rank: int, world: int) -> tuple[int, int]:
+def local_kv_heads(config: ModelConfig, rank: int, shards: int) -> tuple[int, int]:
     """(first KV head, number of KV heads) kept by ``rank``."""
     kv = config.num_key_value_heads
-    if kv >= world:
-        n = kv // world
+    if kv >= shards:
+        n = kv // shards
         return rank * n, n
-    return rank * kv // world, 1  # replicated: ranks world/kv apart share one head
+    return rank * kv // shards, 1  # replicated: ranks shards/kv apart share one head
 
 
 class QKVParallelLinear(MergedLinear):
-    def __init__(self, config: ModelConfig, rank: int, world: int) -> None:
+    def __init__(self, config: ModelConfig, rank: int, shards: int) -> None:
         hd = config.head_dim
-        q_heads = config.num_attention_heads // world
-        kv_start, kv_heads = local_kv_heads(config, rank, world)
+        q_heads = config.num_attention_heads // shards
+        kv_start, kv_heads = local_kv_heads(config, rank, shards)
         super().__init__(config.hidden_size, [q_heads * hd, kv_heads * hd, kv_heads * hd], bias=config.attention_bias)
         # rows of the checkpoint's q, k and v tensors that this rank keeps
         self.source_rows = [(rank * q_heads * hd, q_heads * hd), (kv_start * hd, kv_heads * hd),
@@ -68,9 +68,9 @@ class QKVParallelLinear(MergedLinear):
 class MergedColumnParallelLinear(MergedLinear):
     """gate|up: each projection split along its output rows."""
 
-    def __init__(self, in_features: int, full_sizes: list[int], bias: bool, rank: int, world: int) -> None:
-        super().__init__(in_features, [n // world for n in full_sizes], bias)
-        self.source_rows = [(rank * (n // world), n // world) for n in full_sizes]
+    def __init__(self, in_features: int, full_sizes: list[int], bias: bool, rank: int, shards: int) -> None:
+        super().__init__(in_features, [n // shards for n in full_sizes], bias)
+        self.source_rows = [(rank * (n // shards), n // shards) for n in full_sizes]
 
     def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
         start, size = self.source_rows[shard_id]
@@ -80,9 +80,9 @@ class MergedColumnParallelLinear(MergedLinear):
 class RowParallelLinear(Linear):
     """Split along the input dimension; partial products are summed by an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, world: int, comm: Comm) -> None:
-        super().__init__(in_features // world, out_features, bias)
-        self.start = rank * (in_features // world)
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, shards: int, comm: Comm) -> None:
+        super().__init__(in_features // shards, out_features, bias)
+        self.start = rank * (in_features // shards)
         self.comm = comm
 
     def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
@@ -97,9 +97,9 @@ class RowParallelLinear(Linear):
 
 
 class VocabParallelEmbedding(Embedding):
-    def __init__(self, vocab: int, dim: int, rank: int, world: int, comm: Comm) -> None:
-        super().__init__(vocab // world, dim)
-        self.start = rank * (vocab // world)
+    def __init__(self, vocab: int, dim: int, rank: int, shards: int, comm: Comm) -> None:
+        super().__init__(vocab // shards, dim)
+        self.start = rank * (vocab // shards)
         self.comm = comm
 
     def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
@@ -126,15 +126,15 @@ class ParallelLMHead(UsesGemm, VocabParallelEmbedding):
 def apply_tensor_parallel(model, comm: Comm) -> None:
     """Swaps every layer of ``model`` (on the meta device) for its parallel version."""
     cfg: ModelConfig = model.config
-    rank, world = comm.rank, comm.shards
-    check_divisible(cfg, world)
+    rank, shards = comm.rank, comm.shards
+    check_divisible(cfg, shards)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = QKVParallelLinear(cfg, rank, world)
+        attn.qkv_proj = QKVParallelLinear(cfg, rank, shards)
         attn.num_heads, attn.num_kv_heads = attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads
-        attn.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, rank, world, comm)
+        attn.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, rank, shards, comm)
         mlp.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
-                                                      rank, world)
-        mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, rank, world, comm)
-    model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, rank, world, comm)
-    model.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, rank, world, comm)
+                                                      rank, shards)
+        mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, rank, shards, comm)
+    model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, rank, shards, comm)
+    model.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, rank, shards, comm)

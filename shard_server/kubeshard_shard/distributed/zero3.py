@@ -86,8 +86,8 @@ class Zero3Partitions:
                         full = ".".join(p for p in (base, sub_name, attr) if p)
                         specs.append(ParamSpec(full, sub, attr, param.shape, offset))
                         offset += param.numel()
-            world = self.comm.shards
-            return Unit(name, specs, padded_numel=-(-offset // world) * world)
+            shards = self.comm.shards
+            return Unit(name, specs, padded_numel=-(-offset // shards) * shards)
 
         m = model.model
         embed = unit("embed", [m.embed_tokens])
@@ -146,12 +146,12 @@ class Zero3Partitions:
             pieces.setdefault(pname, []).append((ckpt_name, row_offset, rows))
         if model.config.tie_word_embeddings:
             pieces["lm_head.weight"] = pieces.get("model.embed_tokens.weight", [])
-        rank, world = self.comm.rank, self.comm.shards
+        rank, shards = self.comm.rank, self.comm.shards
         with torch.no_grad():
             for u in self.units:
                 if u.source is not None:
                     continue
-                size = u.padded_numel // world
+                size = u.padded_numel // shards
                 lo, hi = rank * size, (rank + 1) * size
                 for spec in u.specs:
                     a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
