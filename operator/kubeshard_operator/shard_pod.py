@@ -18,6 +18,10 @@ from kubeshard_operator.spec import InferenceServiceSpec
 
 MODEL_ROOT = "/models"
 ADAPTER_ROOT = "/adapters"  # spec.model.adapters[i] is mounted at ADAPTER_ROOT/NAME
+# spec.engine.speculative.draftModel: a folder mounted at DRAFT_ROOT, a .gguf file at
+# DRAFT_ROOT/FILE. Not under MODEL_ROOT: an hf:// model's volume is mounted read-only
+# there, and a mount point inside a read-only mount cannot be created.
+DRAFT_ROOT = "/draft"
 # Probe periods: a gRPC health call is cheap, so the probes ask every second. The startup
 # probe then adds at most a second to a cold start (a model woken from zero serves as soon
 # as it loaded), and readiness notices a broken group within five; the startup probe's
@@ -49,6 +53,44 @@ def model_dir(spec: InferenceServiceSpec) -> str:
     if source.kind == "host" and source.is_gguf:
         return f"{MODEL_ROOT}/{source.location.rsplit('/', 1)[-1]}"
     return f"{MODEL_ROOT}/model"
+
+
+def draft_dir(spec: InferenceServiceSpec) -> Optional[str]:
+    """Where the shard server finds the draft model (speculative method draft): its own
+    mount, or the model's checkpoint when spec.engine.speculative.draftModel is unset."""
+    s = spec.engine.speculative
+    if s.method != "draft":
+        return None
+    if s.draft_model is None:
+        return model_dir(spec)
+    if s.draft_model.is_gguf:
+        name = (s.draft_model.path if s.draft_model.kind == "pvc" else s.draft_model.location).rsplit("/", 1)[-1]
+        return f"{DRAFT_ROOT}/{name}"
+    return DRAFT_ROOT
+
+
+def speed_args(spec: InferenceServiceSpec) -> list[str]:
+    """Quantization, the KV cache dtype and speculative decoding: only what differs from
+    the shard server's defaults, so a spec without them keeps its pods (and their hash)."""
+    m, e, s = spec.model, spec.engine, spec.engine.speculative
+    args: list[str] = []
+    if m.quantize != "none":
+        args += ["--quantize", m.quantize]
+    if m.quantize_group_size != 32:
+        args += ["--quantize-group-size", str(m.quantize_group_size)]
+    if e.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", e.kv_cache_dtype]
+    if not s.enabled:
+        return args
+    args += ["--speculative", s.method, "--num-speculative-tokens", str(s.num_tokens)]
+    if s.method == "ngram":
+        args += ["--speculative-ngram-min", str(s.ngram_min), "--speculative-ngram-max", str(s.ngram_max)]
+    draft = draft_dir(spec)
+    if draft is not None:
+        args += ["--speculative-draft-model", draft]
+        if s.draft_quantize != "none":
+            args += ["--speculative-draft-quantize", s.draft_quantize]
+    return args
 
 
 def shard_image(spec: InferenceServiceSpec, cfg: OperatorConfig) -> str:
@@ -90,6 +132,7 @@ def shard_args(spec: InferenceServiceSpec, headless_service: str) -> list[str]:
             args += [flag, str(value)]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
+    args += speed_args(spec)
     # the activation cache (on when the pod has KUBESHARD_REDIS_URL): its keys are named by
     # metadata.name, which the finalizer's kubeshard:<name>:* cleans
     a = spec.activations
@@ -202,6 +245,19 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
             mount = {"name": f"adapter-{i}", "mountPath": where, "readOnly": True}
             if adapter.source.path:
                 mount["subPath"] = adapter.source.path
+            mounts.append(mount)
+    draft = spec.engine.speculative.draft_model
+    if draft is not None and spec.engine.speculative.method == "draft":
+        where = draft_dir(spec)
+        if draft.kind == "host":
+            volumes.append({"name": "draft", "hostPath": {
+                "path": draft.location, "type": "File" if draft.is_gguf else "Directory"}})
+            mounts.append({"name": "draft", "mountPath": where, "readOnly": True})
+        else:
+            volumes.append({"name": "draft", "persistentVolumeClaim": {"claimName": draft.location, "readOnly": True}})
+            mount = {"name": "draft", "mountPath": where, "readOnly": True}
+            if draft.path:
+                mount["subPath"] = draft.path
             mounts.append(mount)
     return volumes, mounts
 

@@ -22,6 +22,17 @@ STRATEGIES = ("tensor", "zero3")
 RUNTIMES = ("kubeshard", "onnx", "vllm", "llamacpp", "openai")
 PEER_RUNTIMES = ("vllm", "llamacpp", "openai")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The shard server's speed options (kubeshard runtime only): weight-only quantization at
+# load (CPU, float32 compute; gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1 weights packed), the
+# int4 group size, what the KV pool stores (fp8 is refused: no CPU has it and CUDA pools
+# lack it), and speculative decoding.
+QUANTIZE_METHODS = ("none", "int8", "int4", "gguf")
+QUANTIZE_GROUP_SIZES = (32, 64)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+DRAFT_QUANTIZE = ("none", "int8", "int4")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_NGRAM = 64
 METRICS = ("concurrency", "queueDepth", "tokensInFlight", "cpu")
 # Default HPA target per metric: requests in flight or queued per replica, queued requests
 # per replica, tokens in flight (prompt + new tokens still reserved) per replica, CPU
@@ -107,6 +118,10 @@ class ModelSpec:
     dtype: str
     token_secret: Optional[SecretKeyRef]
     adapters: tuple[Adapter, ...] = ()
+    # weight-only quantization at load (QUANTIZE_METHODS) and the int4 group size (also
+    # the group size of an int4 draft)
+    quantize: str = "none"
+    quantize_group_size: int = 32
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,24 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class Speculative:
+    """spec.engine.speculative: tokens proposed cheaply and verified in one pass. ngram
+    looks proposals up in the sequence's own tokens; draft runs a smaller model of the same
+    tokenizer (draft_model, or the model's own checkpoint when None, then quantized)."""
+
+    method: str = "none"
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: Optional[ModelSource] = None  # a PVC or host folder or .gguf file
+    draft_quantize: str = "none"
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class Engine:
     max_input_tokens: Optional[int]
     max_total_tokens: Optional[int]
@@ -152,6 +185,8 @@ class Engine:
     kv_cache_memory: Optional[str]
     block_size: int
     prefix_caching: bool
+    kv_cache_dtype: str = "auto"
+    speculative: Speculative = Speculative()
 
 
 @dataclass(frozen=True)
@@ -240,6 +275,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> InferenceS
         activations=_activations(_obj(_obj(spec, "cache", "spec.cache"), "activations", "spec.cache.activations")),
     )
     check_runtime(parsed)
+    check_speed_options(parsed)
     return parsed
 
 
@@ -299,6 +335,37 @@ def check_runtime(spec: InferenceServiceSpec) -> None:
                         "runs in the shard server (spec.pod.image)")
 
 
+def check_speed_options(spec: InferenceServiceSpec) -> None:
+    """What the shard server would refuse at start about quantization, the KV cache dtype
+    and speculative decoding, refused here naming the field (the CRD's CEL rules say the
+    same at admission)."""
+    m, e, s = spec.model, spec.engine, spec.engine.speculative
+    if spec.runtime.name != "kubeshard":
+        for field, value, default in (("spec.model.quantize", m.quantize, "none"),
+                                      ("spec.engine.kvCacheDtype", e.kv_cache_dtype, "auto"),
+                                      ("spec.engine.speculative.method", s.method, "none")):
+            if value != default:
+                raise SpecError(f"{field} {value} is an option of kubeshard's own engine (spec.runtime.name "
+                                f"kubeshard); the {spec.runtime.name} runtime would ignore it: set it in its "
+                                "own terms (a quantized checkpoint, spec.runtime.args) or leave it unset")
+    if m.quantize != "none":
+        if spec.resources.gpu > 0:
+            raise SpecError(f"spec.model.quantize {m.quantize} runs CPU kernels: spec.resources.gpu must be 0 "
+                            "(on GPUs serve spec.model.dtype bfloat16 or float16 with quantize none)")
+        if spec.sharding.strategy == "zero3" and spec.sharding.shards > 1:
+            raise SpecError(f"spec.model.quantize {m.quantize} is not available with spec.sharding.strategy zero3: "
+                            "its flat partitions hold one float dtype; use strategy tensor (each shard packs "
+                            "its slice)")
+    if s.method != "draft" or s.draft_quantize == "none":
+        return
+    if spec.resources.gpu > 0:
+        raise SpecError(f"spec.engine.speculative.draftQuantize {s.draft_quantize} runs CPU kernels: "
+                        "spec.resources.gpu must be 0")
+    if m.dtype not in ("auto", "float32"):
+        raise SpecError(f"spec.engine.speculative.draftQuantize {s.draft_quantize} computes in float32: "
+                        f"spec.model.dtype must be auto or float32, not {m.dtype}")
+
+
 def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
     source = ModelSource.parse(_str(m, "source", "spec.model.source") or "")
     name = _str(m, "name", "spec.model.name") or default_name
@@ -311,6 +378,16 @@ def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
             "in spec.model.source; give the revision in one place"
         )
     dtype = _enum(m, "dtype", "spec.model.dtype", DTYPES, "auto")
+    quantize = _enum(m, "quantize", "spec.model.quantize", QUANTIZE_METHODS, "none")
+    group = _int(m, "quantizeGroupSize", "spec.model.quantizeGroupSize", default=32)
+    if group not in QUANTIZE_GROUP_SIZES:
+        raise SpecError(f"spec.model.quantizeGroupSize must be 32 or 64, not {group}")
+    if quantize != "none" and dtype not in ("auto", "float32"):
+        raise SpecError(f"spec.model.quantize {quantize} computes in float32: spec.model.dtype must be auto or "
+                        f"float32, not {dtype}")
+    if quantize == "gguf" and not source.is_gguf:
+        raise SpecError("spec.model.quantize gguf keeps a GGUF file's quantized weights: spec.model.source must "
+                        "be a .gguf file (int8 or int4 quantize a folder's weights at load)")
     token = m.get("tokenSecretRef")
     token_ref = None
     if token is not None:
@@ -318,7 +395,20 @@ def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
             raise SpecError("spec.model.tokenSecretRef.name is required")
         token_ref = SecretKeyRef(name=str(token["name"]), key=str(token.get("key") or "token"))
     return ModelSpec(source=source, name=name, revision=revision or source.revision or "main",
-                     dtype=dtype, token_secret=token_ref, adapters=_adapters(m.get("adapters"), name))
+                     dtype=dtype, token_secret=token_ref, adapters=_adapters(m.get("adapters"), name),
+                     quantize=quantize, quantize_group_size=group)
+
+
+def _mounted_source(uri: str, where: str, what: str) -> ModelSource:
+    """A folder or file mounted read-only into the shard pods: pvc:// or a host path."""
+    try:
+        source = ModelSource.parse(uri)
+    except SpecError as exc:
+        raise SpecError(str(exc).replace("spec.model.source", where)) from None
+    if source.kind == "hf":
+        raise SpecError(f"{where}: hf:// {what} are not downloaded; put it on a PVC (pvc://CLAIM/PATH) or a "
+                        "host path")
+    return source
 
 
 def _adapters(raw: Any, model_name: str) -> tuple[Adapter, ...]:
@@ -336,13 +426,7 @@ def _adapters(raw: Any, model_name: str) -> tuple[Adapter, ...]:
             raise SpecError(f"{where}.name {name!r} may hold only letters, digits and . _ - (at most 64)")
         if name == model_name or any(o.name == name for o in out):
             raise SpecError(f"{where}.name {name!r} is taken (by the model or another adapter)")
-        try:
-            source = ModelSource.parse(_str(a, "source", f"{where}.source") or "")
-        except SpecError as exc:
-            raise SpecError(str(exc).replace("spec.model.source", f"{where}.source")) from None
-        if source.kind == "hf":
-            raise SpecError(f"{where}.source: hf:// adapters are not downloaded; put the adapter folder on a "
-                            "PVC (pvc://CLAIM/PATH) or a host path")
+        source = _mounted_source(_str(a, "source", f"{where}.source") or "", f"{where}.source", "adapters")
         out.append(Adapter(name=name, source=source))
     if len(out) > 8:
         raise SpecError("spec.model.adapters holds more than 8 adapters")
@@ -407,6 +491,8 @@ def _engine(e: Mapping[str, Any]) -> Engine:
         block_size=_int(e, "blockSize", "spec.engine.blockSize", default=16, minimum=1,
                         maximum=1024),
         prefix_caching=bool(e.get("prefixCaching", True)),
+        kv_cache_dtype=_enum(e, "kvCacheDtype", "spec.engine.kvCacheDtype", KV_CACHE_DTYPES, "auto"),
+        speculative=_speculative(_obj(e, "speculative", "spec.engine.speculative")),
     )
     if engine.max_input_tokens and engine.max_total_tokens and \
             engine.max_input_tokens >= engine.max_total_tokens:
@@ -421,6 +507,27 @@ def _engine(e: Mapping[str, Any]) -> Engine:
             f"spec.engine.maxInputTokens ({engine.max_input_tokens})"
         )
     return engine
+
+
+def _speculative(s: Mapping[str, Any]) -> Speculative:
+    where = "spec.engine.speculative"
+    method = _enum(s, "method", f"{where}.method", SPECULATIVE_METHODS, "none")
+    lo = _int(s, "ngramMin", f"{where}.ngramMin", default=2, minimum=1, maximum=MAX_NGRAM)
+    hi = _int(s, "ngramMax", f"{where}.ngramMax", default=4, minimum=1, maximum=MAX_NGRAM)
+    if lo > hi:
+        raise SpecError(f"{where}.ngramMin ({lo}) must be at most {where}.ngramMax ({hi}; default 4)")
+    raw_draft = _str(s, "draftModel", f"{where}.draftModel")
+    draft = None if raw_draft is None else _mounted_source(raw_draft, f"{where}.draftModel", "draft models")
+    draft_quantize = _enum(s, "draftQuantize", f"{where}.draftQuantize", DRAFT_QUANTIZE, "none")
+    if draft is not None and method != "draft":
+        raise SpecError(f"{where}.draftModel is only used with {where}.method draft, not {method}")
+    if method == "draft" and draft is None and draft_quantize == "none":
+        raise SpecError(f"{where}.method draft without draftModel drafts with the model's own checkpoint, which "
+                        f"is only cheaper quantized: set {where}.draftQuantize int8 or int4, or a draftModel")
+    return Speculative(method=method,
+                       num_tokens=_int(s, "numTokens", f"{where}.numTokens", default=4, minimum=1,
+                                       maximum=MAX_SPECULATIVE_TOKENS),
+                       ngram_min=lo, ngram_max=hi, draft_model=draft, draft_quantize=draft_quantize)
 
 
 def _kv_memory(value: Any) -> Optional[str]:
