@@ -1,5 +1,6 @@
 """The CRD read as data: structure, documentation, and agreement with the operator."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,8 @@ def apply_defaults(schema, value):
     {"model": {"source": "/m"}},
     {"model": {"source": "hf://o/n"}, "autoscaling": {"maxReplicas": 3},
      "resources": {"gpu": 1}},
+    {"model": {"source": "/m", "quantize": "int4"}, "engine": {"speculative": {"method": "ngram"}}},
+    {"model": {"source": "/m"}, "engine": {"speculative": {"method": "draft", "draftQuantize": "int8"}}},
 ])
 def test_crd_defaults_agree_with_the_operator_defaults(spec):
     """The operator must read a spec the same with or without the API server's defaults
@@ -105,3 +108,65 @@ def test_cel_rules_carry_messages():
     assert len(rules) >= 15
     for path, rule in rules:
         assert rule.get("message") or rule.get("messageExpression"), path
+
+
+def cel_rules():
+    """(schema path, rule) for every CEL rule of the CRD."""
+    schema = version()["schema"]["openAPIV3Schema"]
+    return [(path, r) for path, node in [("", schema)] + list(walk(schema))
+            for r in node.get("x-kubernetes-validations", ())]
+
+
+def test_cel_messages_name_a_field():
+    """A refusal at admission says which field to change."""
+    for path, rule in cel_rules():
+        assert re.search(r"\b(spec|metadata)\.[a-zA-Z]", rule["message"]), (path, rule["message"])
+
+
+def test_speed_option_enums_match_the_operator():
+    from kubeshard_operator import spec as s
+
+    props = version()["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    model, engine = props["model"]["properties"], props["engine"]["properties"]
+    speculative = engine["speculative"]["properties"]
+    assert tuple(model["quantize"]["enum"]) == s.QUANTIZE_METHODS and model["quantize"]["default"] == "none"
+    assert tuple(engine["kvCacheDtype"]["enum"]) == s.KV_CACHE_DTYPES  # fp8: no pool serves it
+    assert "fp8" not in s.KV_CACHE_DTYPES
+    assert tuple(speculative["method"]["enum"]) == s.SPECULATIVE_METHODS
+    assert tuple(speculative["draftQuantize"]["enum"]) == s.DRAFT_QUANTIZE
+    assert (speculative["numTokens"]["default"], speculative["ngramMin"]["default"],
+            speculative["ngramMax"]["default"]) == (4, 2, 4)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"model": {"source": "/m", "quantize": "gguf"}}, "spec.model.quantize gguf"),
+    ({"model": {"source": "/m", "quantize": "int8", "dtype": "float16"}}, "spec.model.quantize int8, int4 and gguf"),
+    ({"model": {"source": "/m", "quantize": "int8"}, "resources": {"gpu": 1}},
+     "spec.model.quantize int8, int4 and gguf run CPU kernels"),
+    ({"model": {"source": "/m", "quantize": "int8"}, "sharding": {"strategy": "zero3", "shards": 2}},
+     "spec.model.quantize is not available with spec.sharding.strategy zero3"),
+    ({"runtime": {"name": "vllm"}, "model": {"source": "/m", "quantize": "int8"}},
+     "spec.model.quantize is an option of kubeshard's own engine"),
+    ({"runtime": {"name": "vllm"}, "engine": {"speculative": {"method": "ngram"}}},
+     "spec.engine.speculative is an option of kubeshard's own engine"),
+    ({"runtime": {"name": "vllm"}, "engine": {"kvCacheDtype": "int8"}},
+     "spec.engine.kvCacheDtype is an option of kubeshard's own engine"),
+    ({"engine": {"speculative": {"method": "ngram", "ngramMin": 5}}}, "spec.engine.speculative.ngramMin must be at most"),
+    ({"engine": {"speculative": {"draftModel": "/d"}}}, "spec.engine.speculative.draftModel is only used with"),
+    ({"engine": {"speculative": {"method": "draft"}}}, "spec.engine.speculative.method draft without draftModel"),
+    ({"engine": {"speculative": {"method": "draft", "draftModel": "/d", "draftQuantize": "int8"}},
+      "resources": {"gpu": 1}}, "spec.engine.speculative.draftQuantize int8 and int4 run CPU kernels"),
+])
+def test_the_operators_speed_refusals_have_a_cel_twin(overrides, field):
+    """Each refusal the operator makes about the speed options is also a CEL rule, so the
+    API server refuses the spec at admission (e2e/operator/test_speed_options.py shows it on
+    a real API server); both messages name the same field first."""
+    from kubeshard_operator.spec import SpecError
+    from tests.operator.factories import spec_dict
+
+    with pytest.raises(SpecError) as info:
+        parse_spec("tiny", "ml", spec_dict(**overrides))
+    named = field.split()[0]
+    assert str(info.value).startswith(named)
+    messages = [" ".join(rule["message"].split()) for _, rule in cel_rules()]
+    assert any(m.startswith(field) for m in messages), field
