@@ -55,7 +55,7 @@ def encode(layout: KVLayout, block_hash: int, block) -> bytes:
     return header + payload
 
 
-def decode(value: bytes, layout: KVLayout, block_hash: int) -> memoryview:
+def decode(value: bytes | memoryview, layout: KVLayout, block_hash: int) -> memoryview:
     """The payload of an entry that is exactly ``block_hash``'s block in ``layout``."""
     if len(value) < HEADER_BYTES:
         raise EntryRejected("truncated", f"{len(value)} bytes, shorter than the header")

@@ -10,8 +10,8 @@ not ``RedisError``s; none of them reaches the engine.
 
 - ``fetch_chain`` reads a chain's entries with pipelined MGETs of a few blocks each, in
   one round trip (a chain's keys share one Cluster slot), and hands each value over as
-  soon as its MGET's reply is in, so checking and copying a block overlaps with the
-  transfer of the next;
+  soon as its bytes are in (read straight from the socket into one reused buffer,
+  ``resp``), so checking and copying a block overlaps with the transfer of the next;
 - ``count_and_probe`` counts the prompts that held each block (HINCRBY in the chain's
   counter hash, one 8-byte field per block) and checks which blocks already have
   entries on every rank (EXISTS); the counter lives a shorter TTL than entries, and the
@@ -41,6 +41,8 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 from redis.retry import Retry
+
+from kubeshard_shard.activations.resp import read_mget_replies
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +150,14 @@ class RedisTier:
                 pass
 
     # ---- operations ------------------------------------------------------------------
-    def fetch_chain(self, keys: list[str], on_value: Callable[[int, bytes | None], bool]) -> None:
+    def fetch_chain(self, keys: list[str], on_value: Callable[[int, memoryview | None], bool],
+                    max_value: int) -> None:
         """Calls ``on_value(i, value or None)`` for the chain's keys in order until it
-        answers False. Every key shares the first key's Cluster slot."""
+        answers False; a value is a view valid only during the call (an empty one when
+        it is longer than ``max_value``). Every key shares the first key's Cluster slot."""
         def fetch(client) -> None:
             node = client.get_node_from_key(keys[0]).redis_connection if self.cluster else client
-            _stream_mget(node, keys, on_value)
+            _stream_mget(node, keys, on_value, max_value)
 
         self.run("fetch", fetch)
 
@@ -207,23 +211,30 @@ class RedisTier:
         return self.run("put", call)
 
 
-def _stream_mget(node: redis.Redis, keys: list[str], on_value: Callable[[int, bytes | None], bool]) -> None:
+def _stream_mget(node: redis.Redis, keys: list[str], on_value: Callable[[int, memoryview | None], bool],
+                 max_value: int) -> None:
+    """Sends every MGET in one write and hands each value over as it arrives (a view
+    valid during the call; ``resp.read_mget_replies``). A stop, an error or a value over
+    ``max_value`` bytes drops the connection rather than reading the rest."""
     pool = node.connection_pool
     conn = pool.get_connection()
-    commands = [("MGET", *keys[i:i + MGET_BLOCKS]) for i in range(0, len(keys), MGET_BLOCKS)]
+    groups = [keys[i:i + MGET_BLOCKS] for i in range(0, len(keys), MGET_BLOCKS)]
     in_sync = False
     try:
-        conn.send_packed_command(conn.pack_commands(commands))
-        going, index = True, 0
-        for done, _ in enumerate(commands, start=1):
+        conn.send_packed_command(conn.pack_commands([("MGET", *g) for g in groups]))
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            in_sync = read_mget_replies(sock, [len(g) for g in groups], max_value, on_value)
+            return
+        index = 0  # a connection without a plain socket: redis-py's parser
+        for done, _ in enumerate(groups, start=1):
             reply = conn.read_response()
             if isinstance(reply, ResponseError):
                 raise reply
             for value in reply:
-                going = going and on_value(index, value)
+                if not on_value(index, None if value is None else memoryview(value)):
+                    return  # the rest is not needed: drop the connection rather than read it
                 index += 1
-            if not going and done < len(commands):
-                return  # the rest is not needed: drop the connection rather than read it
         in_sync = True
     finally:
         if not in_sync:

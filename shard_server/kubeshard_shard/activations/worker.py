@@ -144,7 +144,7 @@ class CacheWorker:
         layout, loaded = self.layout, 0
         keys = [layout.key(t.root, h) for h in t.hashes]
 
-        def take(i: int, value: bytes | None) -> bool:
+        def take(i: int, value: memoryview | None) -> bool:
             nonlocal loaded
             if value is None:
                 return False
@@ -165,7 +165,7 @@ class CacheWorker:
             return True
 
         try:
-            self.tier.fetch_chain(keys, take)
+            self.tier.fetch_chain(keys, take, codec.HEADER_BYTES + layout.block_bytes)
         except TierUnavailable:
             pass
         except Exception:  # never let a bad entry or a bug take the rank down
