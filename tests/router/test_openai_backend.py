@@ -194,8 +194,8 @@ def test_a_client_that_goes_away_closes_the_engines_request(engine):
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", engine.url + "/generate_stream", json=body, headers=NO_CACHE) as r:
             assert r.status_code == 200
-            next(r.iter_lines())  # the first token is out: the engine is generating
-            assert engine.fake.running == 1
+            first = next(r.iter_lines())  # the first token is out: the engine is generating
+            assert engine.fake.running == 1, first
     assert wait_for(lambda: engine.fake.disconnects == before + 1 and engine.fake.running == 0, 10), \
         "the engine still streams the abandoned request"
     assert wait_for(lambda: metric(engine.router, "kubeshard_router_client_disconnects_total") >= 1, 10)
@@ -263,6 +263,17 @@ def _generate(served: Served) -> httpx.Response:
 def _failures(served: Served) -> float:
     return metric(served.router, "kubeshard_router_backend_errors_total") + \
         metric(served.router, "kubeshard_router_retries_total")
+
+
+def test_consecutive_requests_share_one_kept_alive_connection(engine):
+    """After the engine's last token the router reads the end of its body, so the
+    connection goes back to the pool instead of being closed (a new TCP connection per
+    request would cost every request a handshake)."""
+    assert _generate(engine).status_code == 200
+    connections = engine.fake.connections
+    for _ in range(3):
+        assert _generate(engine).status_code == 200
+    assert engine.fake.connections == connections
 
 
 def test_a_kept_alive_connection_the_engine_closed_is_retried_once_on_a_new_one(engine):

@@ -45,6 +45,8 @@ _END = object()
 # Idle seconds a connection to an engine is kept for reuse: below the 5 s after which
 # uvicorn (vLLM, llama-cpp-python, SGLang, trtllm-serve) closes an idle connection.
 KEEPALIVE_S = 3.0
+# Seconds to wait for the end of a body after the engine's last token (it follows at once).
+DRAIN_S = 1.0
 
 
 def _status_code(status: int) -> grpc.StatusCode:
@@ -75,13 +77,14 @@ class OpenAIStream:
     from it; ``cancel`` ends the task (closing the connection) and wakes a waiting
     ``read`` with ``CancelledError``."""
 
-    __slots__ = ("_engine", "_request", "_timeout_s", "_queue", "_task", "_cancelled")
+    __slots__ = ("_engine", "_request", "_timeout_s", "_queue", "_task", "_cancelled", "_ended")
 
     def __init__(self, engine: "OpenAIEngine", request: pb.GenerateRequest, timeout_s: float) -> None:
         self._engine, self._request, self._timeout_s = engine, request, timeout_s
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task: Optional[asyncio.Task] = None
         self._cancelled = False
+        self._ended = False  # the last token was emitted
 
     async def read(self) -> Optional[pb.Token]:
         if self._task is None:
@@ -101,13 +104,20 @@ class OpenAIStream:
         if self._cancelled:
             return
         self._cancelled = True
-        if self._task is not None and not self._task.done():
+        if self._task is not None and not self._task.done() and not self._ended:
+            # (once the last token is out, the task only reads the end of the body, so
+            # that the connection is kept: let it)
             self._task.cancel()
         self._queue.put_nowait(asyncio.CancelledError())
 
+    def _emit(self, token: pb.Token) -> None:
+        if token.HasField("finish"):
+            self._ended = True
+        self._queue.put_nowait(token)
+
     async def _run(self) -> None:
         try:
-            await self._engine.stream(self._request, self._timeout_s, self._queue.put_nowait)
+            await self._engine.stream(self._request, self._timeout_s, self._emit)
             self._queue.put_nowait(_END)
         except asyncio.CancelledError:
             raise
@@ -200,6 +210,15 @@ class OpenAIEngine:
                                 break
                             if decoder.chunk(orjson.loads(data)):
                                 break
+                    if decoder.engine_finished:
+                        # the engine ended the generation: read the end of its body (a usage
+                        # chunk, [DONE]) so the connection goes back to the pool, not closed
+                        async with asyncio.timeout(DRAIN_S):
+                            async for _ in response.content:
+                                pass
+                except TimeoutError:
+                    if not decoder.engine_finished:
+                        raise
                 finally:
                     if not response.content.at_eof():
                         # finished early (a stop matched here) or cancelled: closing the
@@ -231,7 +250,7 @@ class _Decoder:
     """SSE chunks → tokens: counts, the router's stop matching (llamacpp), the finish."""
 
     __slots__ = ("engine", "request", "tokenizer", "started", "emit", "count", "text",
-                 "stops", "max_new", "last_id", "cumulative")
+                 "stops", "max_new", "last_id", "cumulative", "engine_finished")
 
     def __init__(self, engine: OpenAIEngine, request: pb.GenerateRequest,
                  tokenizer: ModelTokenizer, started: int, emit: Callable[[Any], None]) -> None:
@@ -243,6 +262,7 @@ class _Decoder:
         self.max_new = request.stopping.max_new_tokens
         self.last_id = 0
         self.cumulative = 0.0
+        self.engine_finished = False  # the engine ends too (not a stop the router matched)
 
     def _finish(self, reason: "pb.FinishReason.ValueType") -> pb.FinishDetails:
         return pb.FinishDetails(reason=reason, generated_tokens=self.count,
@@ -286,10 +306,12 @@ class _Decoder:
                 self._send(tokens)
                 return True
         if finish is None and tokens and self.count >= self.max_new:
+            self.engine_finished = True  # it was asked for max_new tokens: its end follows
             tokens[-1].finish.CopyFrom(self._finish(pb.FINISH_REASON_LENGTH))
             self._send(tokens)
             return True
         if finish is not None:
+            self.engine_finished = True
             reason = dialect.finish(choice, eos=True)
             if not tokens:
                 if reason == pb.FINISH_REASON_LENGTH and self.count:
