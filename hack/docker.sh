@@ -17,7 +17,7 @@
 # Usage: hack/docker.sh [up|down]. `down` stops only a dockerd this script started.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-cache="${KUBESHARD_CACHE:-$HOME/.cache/kubeshard}"
+. "$here/lib.sh"  # $cache
 state="$cache/docker"
 mkdir -p "$state"
 

@@ -47,7 +47,7 @@ case "$name" in
   *) usage ;;
 esac
 
-cache="${KUBESHARD_CACHE:-$HOME/.cache/kubeshard}"
+. "$(cd "$(dirname "$0")" && pwd)/lib.sh"  # $cache, build_lock
 dest="$cache/engines/$name-$version"
 stamp_value="$name $version recipe $RECIPE"
 python="${KUBESHARD_ENGINE_PYTHON:-python3}"
@@ -70,14 +70,7 @@ if is_current; then
   exit 0
 fi
 
-mkdir -p "$cache/engines"
-# Two builds at once (several engineers, one machine) must not compile twice on two
-# cores: the second waits for the first, then finds the environment current.
-exec 9>"$cache/engines/.lock-$name"
-if ! flock -w 7200 9; then
-  echo "engines: timed out after 2 h waiting for another build of $name" >&2
-  exit 1
-fi
+build_lock "$cache/engines/.lock-$name" 7200 "engines: $name"
 if is_current; then
   echo "$dest"
   exit 0

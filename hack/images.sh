@@ -23,7 +23,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-cache="${KUBESHARD_CACHE:-$HOME/.cache/kubeshard}"
+. "$here/lib.sh"  # $cache
 out="$cache/images"
 mkdir -p "$out"
 

@@ -18,7 +18,7 @@
 # Usage: hack/node-tools.sh [TOOL...]   prints each tool's path (default: the bin folder)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-cache="${KUBESHARD_CACHE:-$HOME/.cache/kubeshard}"
+. "$here/lib.sh"  # $cache
 bin="$cache/node/bin"
 mkdir -p "$bin"
 

@@ -8,7 +8,6 @@ namespaces of its own.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -112,9 +111,9 @@ def kubeshard(cluster):
 def demo_model_dir() -> Path:
     """The tiny llama demo checkpoint on the node's disk, mounted by hostPath."""
     from kubeshard_shard.demo_model import cached_demo_model
+    from kubeshard_shard.paths import cache_root
 
-    cache = Path(os.environ.get("KUBESHARD_CACHE", Path.home() / ".cache" / "kubeshard"))
-    return Path(cached_demo_model(cache / "demo-models", arch="llama", size="tiny", seed=0))
+    return Path(cached_demo_model(cache_root() / "demo-models", arch="llama", size="tiny", seed=0))
 
 
 def inference_service(name: str, namespace: str, model_dir: Path, **spec: Any) -> dict:
