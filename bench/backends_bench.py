@@ -29,7 +29,8 @@ import psutil
 from bench.common import RESULTS, percentile
 from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
-from tests.router.processes import Proc, start_router, start_shard
+from tests.support.processes import Proc
+from tests.support.servers import start_router, start_shard
 from tests.support import engines
 
 MODEL_ID = "smollm2"

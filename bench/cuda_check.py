@@ -21,7 +21,7 @@ from bench.common import RESULTS, demo_model, machine
 
 
 def identity_unsharded(arch: str) -> tuple[int, int]:
-    from tests.shard_server.conftest import build_engine, greedy, hf_model, random_prompts, run_to_completion
+    from tests.support.engine import build_engine, greedy, hf_model, random_prompts, run_to_completion
 
     model_dir = demo_model(arch, "tiny")
     served = build_engine(model_dir, kv="256MiB", device="cuda", dtype="float32")

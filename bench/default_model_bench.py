@@ -28,7 +28,7 @@ import httpx
 import psutil
 
 from bench.common import RESULTS, kubeshard, machine, peak_rss_bytes, percentile, write_results
-from tests.router.processes import ROUTER_READY
+from tests.support.servers import ROUTER_READY
 from tests.support.processes import start
 from tests.support.redis_server import free_port
 

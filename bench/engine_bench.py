@@ -27,7 +27,7 @@ import torch
 
 from bench.common import RESULTS, demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
     percentile, self_peak_rss, write_results
-from tests.router.processes import ROUTER_READY
+from tests.support.servers import ROUTER_READY
 from tests.support.processes import start
 from tests.support.redis_server import free_port
 from tests.support.shard_process import READY as SHARD_READY

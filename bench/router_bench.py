@@ -32,8 +32,9 @@ import psutil
 from bench.common import CACHE, RESULTS, percentile
 from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_proto import pb, pb_grpc
-from tests.router.processes import Proc, start, start_router, start_shard
-from tests.router.stub_backend import stub_tokenizer_json
+from tests.support.processes import Proc, start
+from tests.support.servers import start_router, start_shard
+from tests.support.stub_backend import stub_tokenizer_json
 
 STUB_READY = __import__("re").compile(r"stub backend on (?P<host>[^:\s]+):(?P<port>\d+)")
 PROMPT = "hello world, this is the router benchmark prompt"
@@ -46,7 +47,7 @@ def raise_fd_limit() -> int:
 
 
 def start_stub(*flags: str) -> Proc:
-    return start("stub", [sys.executable, "-m", "tests.router.stub_backend", *flags], STUB_READY, timeout=60)
+    return start("stub", [sys.executable, "-m", "tests.support.stub_backend", *flags], STUB_READY, timeout=60)
 
 
 def cpu_seconds(proc: Proc) -> float:

@@ -36,7 +36,7 @@ class InstantReplicaClient:
     """Stand-in for ReplicaClient: Info from the StubBackend service, tokens ready at once."""
 
     def __init__(self, address: str) -> None:
-        from tests.router.stub_backend import StubBehaviour, StubCounters, StubService
+        from tests.support.stub_backend import StubBehaviour, StubCounters, StubService
         self.address = address
         self.service = StubService(model_id="m", revision="r", max_input_tokens=200, max_total_tokens=256,
                                    max_concurrent_requests=4096, block_size=16, behaviour=StubBehaviour(),

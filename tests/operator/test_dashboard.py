@@ -12,7 +12,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.processes import start_router
+from tests.support.servers import start_router
 from tests.support.helm import CHART, template
 from tests.support.shard_process import start_shard
 

@@ -10,7 +10,7 @@ import httpx
 
 from e2e.waiting import wait_for
 from kubeshard_operator.load import LoadReader
-from tests.router.harness import RouterHarness
+from tests.support.router_harness import RouterHarness
 
 
 class Slices:

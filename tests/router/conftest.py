@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.router.harness import RouterHarness
+from tests.support.router_harness import RouterHarness
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.processes import start_serve
+from tests.support.servers import start_serve
 from tests.support.sse import sse
 
 NO_CACHE = {"Cache-Control": "no-cache"}

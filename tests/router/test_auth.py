@@ -97,7 +97,7 @@ def test_plain_yaml_and_secret_formats():
 
 
 def test_a_bad_key_file_stops_startup(tmp_path):
-    from tests.router.harness import RouterHarness
+    from tests.support.router_harness import RouterHarness
     bad = tmp_path / "keys.yaml"
     bad.write_text("keys: {}\n")
     h = RouterHarness(api_keys_file=str(bad))

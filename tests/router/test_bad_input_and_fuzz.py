@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.router.processes import start_router, start_shard
+from tests.support.servers import start_router, start_shard
 
 KEY, LIMITED = "sk-test-key-0001", "sk-test-limited-0002"
 

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.router.processes import Proc, start, start_router
+from tests.support.processes import Proc, start
+from tests.support.servers import start_router
 from tests.support.waiting import wait_for
 from tests.support.redis_server import free_port
 
@@ -21,7 +22,7 @@ STUB_READY = re.compile(r"stub backend on (?P<host>[^:\s]+):(?P<port>\d+)")
 
 
 def start_stub(*flags: str) -> Proc:
-    return start("stub backend", [sys.executable, "-m", "tests.router.stub_backend", *flags], STUB_READY,
+    return start("stub backend", [sys.executable, "-m", "tests.support.stub_backend", *flags], STUB_READY,
                  timeout=60)
 
 

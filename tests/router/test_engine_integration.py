@@ -16,7 +16,7 @@ import pytest
 import text_generation
 import transformers
 
-from tests.router.processes import start_router, start_serve, start_shard
+from tests.support.servers import start_router, start_serve, start_shard
 from tests.support.metrics import metric
 from tests.support.sse import sse
 from tests.support.waiting import wait_for

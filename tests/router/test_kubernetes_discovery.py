@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kubeshard_router.backends.kubernetes import desired_models, slice_addresses
-from tests.router.stub_backend import StubBackend
+from tests.support.stub_backend import StubBackend
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import httpx
 import redis
 
 from kubeshard_router.load import LoadTracker
-from tests.router.test_resilience_stub import RecordingHook
+from tests.support.router_harness import RecordingHook
 from tests.support.http import post_in_thread
 from e2e.waiting import wait_for as wait_until
 from tests.support.waiting import wait_for

@@ -12,8 +12,8 @@ import pytest
 
 from kubeshard_router.balancer import Balancer
 from kubeshard_router.engine_request import EngineRequest
-from tests.router.processes import start_serve
-from tests.shard_server.test_lora import ALL, make_adapter, peft_greedy
+from tests.support.servers import start_serve
+from tests.support.lora import ALL, make_adapter, peft_greedy
 
 NO_CACHE = {"Cache-Control": "no-cache"}
 

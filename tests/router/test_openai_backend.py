@@ -27,7 +27,7 @@ import pytest
 import text_generation
 
 from tests.router.fake_openai_engine import FakeOpenAIEngine
-from tests.router.processes import start_router
+from tests.support.servers import start_router
 from tests.support.engines import start_engine_info
 from tests.support.metrics import metric
 from tests.support.processes import Proc

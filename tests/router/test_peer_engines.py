@@ -27,7 +27,7 @@ import pytest
 import text_generation
 
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
-from tests.router.processes import start_router, start_shard
+from tests.support.servers import start_router, start_shard
 from tests.support import engines
 from tests.support.metrics import metric
 from tests.support.processes import Proc
@@ -255,7 +255,7 @@ def test_retries_skip_a_replica_whose_engine_died(redis_server):
 def test_kubeshard_serve_runtime_llamacpp():
     """`kubeshard serve --runtime llamacpp` does the same locally: the README's chat answer."""
     engines.require("llamacpp")
-    from tests.router.processes import start_serve
+    from tests.support.servers import start_serve
 
     serve = start_serve(default_model_file(), "--runtime", "llamacpp", "--no-redis")
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.router.processes import start_router, start_shard
+from tests.support.servers import start_router, start_shard
 from tests.support.browser import Browser
 
 pytestmark = pytest.mark.slow

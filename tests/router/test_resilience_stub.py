@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.http import post_in_thread
 from tests.support.metrics import metric
+from tests.support.router_harness import RecordingHook
 from tests.support.sse import sse
 from tests.support.waiting import wait_for
 
@@ -158,14 +159,6 @@ def test_client_disconnect_before_the_first_token_cancels_too(router):
 
     asyncio.run(go())
     assert wait_for(lambda: stub.counters.cancelled == 1 and stub.counters.active == 0)
-
-
-class RecordingHook:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    async def scale_up(self, model: str) -> None:
-        self.calls.append(model)
 
 
 def test_requests_are_held_while_a_model_has_no_ready_replica(make_router):

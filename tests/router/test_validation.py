@@ -12,7 +12,7 @@ from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionReq
 from kubeshard_router.tgi_schema import GenerateRequest, plan_tgi
 from kubeshard_router.tokenization import ModelTokenizer
 from kubeshard_router.validation import Limits, parse_body
-from tests.router.stub_backend import stub_tokenizer_config, stub_tokenizer_json
+from tests.support.stub_backend import stub_tokenizer_config, stub_tokenizer_json
 
 LIMITS = Limits(max_input_tokens=20, max_total_tokens=32, vocab_size=489, max_top_n_tokens=5,
                 max_stop_sequences=4)

@@ -10,7 +10,7 @@ configured wait.
 from __future__ import annotations
 
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import pytest
 import redis
@@ -18,34 +18,13 @@ import torch
 
 from kubeshard_shard.activations import codec
 from kubeshard_shard.activations.layout import KVLayout
-from kubeshard_shard.config import ActivationCacheConfig
-from tests.shard_server.conftest import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
+from tests.support.activation_cache import engine, generate, populate
+from tests.support.engine import build_engine, greedy, hf_greedy, random_prompts
 from tests.support.slow_proxy import SlowProxy
 
 PREFIX = random_prompts(1, 1000, (200, 200), seed=11)[0]   # 12 full blocks of 16, and 8 tokens
 TAILS = random_prompts(4, 1000, (3, 9), seed=12)
 BLOCK_BYTES = 2 * 2 * 16 * 4 * 16 * 4   # layers, K/V, block size, KV heads, head dim, float32
-
-
-def engine(model, url, kv="16MiB", dtype="auto", **settings):
-    """An engine with the activation cache on ``url`` (``settings``: ActivationCacheConfig's,
-    or EngineConfig's such as ``quantize``)."""
-    cache = {k: settings.pop(k) for k in list(settings) if k in {f.name for f in fields(ActivationCacheConfig)}}
-    cache.setdefault("min_hits", 1)
-    return build_engine(model, kv=kv, dtype=dtype, activations=ActivationCacheConfig(redis_url=url, **cache),
-                        **settings).engine
-
-
-def generate(eng, prompts, n=8) -> list[list[int]]:
-    outs = run_to_completion(eng, [(p, greedy(n)) for p in prompts])
-    return [[o.token_id for o in out] for out in outs]
-
-
-def populate(eng, prompts):
-    """Runs the prompts and waits until their blocks are in Redis."""
-    out = generate(eng, prompts)
-    eng.cache.worker.drain()
-    return out
 
 
 def entry_keys(url, model_prefix="kubeshard:") -> list[bytes]:

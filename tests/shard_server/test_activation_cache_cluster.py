@@ -13,8 +13,8 @@ import torch
 
 from kubeshard_shard.activations.layout import KVLayout
 from kubeshard_shard.engine.block_manager import hash_block
-from tests.shard_server.conftest import hf_greedy, random_prompts
-from tests.shard_server.test_activation_cache import engine, generate, populate
+from tests.support.engine import hf_greedy, random_prompts
+from tests.support.activation_cache import engine, generate, populate
 from tests.support.redis_cluster import RedisCluster
 
 PREFIXES = random_prompts(6, 1000, (160, 160), seed=31)     # 10 full blocks each

@@ -14,7 +14,7 @@ import torch
 from kubeshard_proto import pb
 from kubeshard_shard.activations.layout import KVLayout
 from kubeshard_shard.engine.block_manager import hash_block
-from tests.shard_server.conftest import hf_greedy, random_prompts
+from tests.support.engine import hf_greedy, random_prompts
 from tests.support.metrics import metric
 from tests.support.redis_cluster import RedisCluster
 from tests.support.shard_process import start_group, start_shard

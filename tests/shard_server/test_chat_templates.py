@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from kubeshard_shard.models.config import load_model_config
 from kubeshard_shard.tokenizer import chat_template, load_tokenizer
 
-from tests.router.processes import start_router, start_shard
+from tests.support.servers import start_router, start_shard
 
 JINJA = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
 LEGACY = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

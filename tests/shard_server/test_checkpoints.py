@@ -12,7 +12,7 @@ import torch
 
 from kubeshard_shard.demo_model import write_demo_model
 from kubeshard_shard.models.config import CheckpointError
-from tests.shard_server.conftest import build_engine
+from tests.support.engine import build_engine
 
 
 def test_demo_model_is_deterministic(tmp_path):

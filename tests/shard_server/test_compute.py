@@ -21,7 +21,7 @@ from kubeshard_shard.models.config import load_model_config
 from kubeshard_shard.models.layers import UsesGemm
 from kubeshard_shard.server.factory import build_served_model
 
-from tests.shard_server.conftest import greedy, random_prompts, run_to_completion
+from tests.support.engine import greedy, random_prompts, run_to_completion
 
 # the flags line of an AVX2-only x86-64 CPU (a Haswell-to-Zen2 class machine)
 AVX2_CPUINFO = ("processor\t: 0\nvendor_id\t: GenuineIntel\n"

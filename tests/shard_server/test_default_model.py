@@ -13,40 +13,13 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from kubeshard_router.tokenization import ModelTokenizer
-from kubeshard_shard.checkpoints import DEFAULT_MODEL_ID, default_model_file, local_checkpoint
+from kubeshard_shard.checkpoints import DEFAULT_MODEL_ID, default_model_file
 from kubeshard_shard.engine.request import make_sampling_params
 
-from tests.shard_server.conftest import build_engine, run_to_completion
+from tests.support.default_model import KNOWN, MORE, chat_ids, folder
+from tests.support.engine import build_engine, run_to_completion
 
 pytestmark = pytest.mark.slow
-
-KNOWN = {
-    "What is the capital of France?": "Paris",
-    "What is the capital of Germany?": "Berlin",
-    "What is the capital of Japan?": "Tokyo",
-    "What is 2 + 2?": "4",
-}
-MORE = ["What color is the sky on a clear day?", "What is the boiling point of water in Celsius?",
-        "Write a haiku about autumn.", "Name three primary colors."]
-
-
-@functools.cache
-def folder():
-    return local_checkpoint(default_model_file())
-
-
-@functools.cache
-def router_tokenizer() -> ModelTokenizer:
-    return ModelTokenizer((folder() / "tokenizer.json").read_bytes(), (folder() / "tokenizer_config.json").read_bytes())
-
-
-def chat_ids(question: str) -> list[int]:
-    """The prompt as the router renders and tokenizes a chat request (its rendering equals
-    transformers' apply_chat_template: tests/router/test_tokenization.py)."""
-    tok = router_tokenizer()
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
-
 
 @functools.cache
 def hf_model():

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kubeshard_proto import pb
-from tests.shard_server.conftest import hf_greedy, random_prompts
+from tests.support.engine import hf_greedy, random_prompts
 from tests.support.shard_process import start_shard
 
 

@@ -7,7 +7,7 @@ import torch
 
 from kubeshard_shard.engine.attention import KVCache
 
-from tests.shard_server.conftest import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
+from tests.support.engine import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
 
 ARCHES = ["llama", "qwen2", "mistral"]
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import KVCache, decode_attention_reference, quantize_rows
 
-from tests.shard_server.conftest import build_engine, greedy, random_prompts, run_to_completion
+from tests.support.engine import build_engine, greedy, random_prompts, run_to_completion
 
 
 @pytest.fixture(scope="module")

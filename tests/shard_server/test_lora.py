@@ -10,24 +10,8 @@ import torch
 
 from kubeshard_shard.engine.request import RequestError, make_sampling_params
 from kubeshard_shard.models.lora import AdapterError, load_adapter
-from tests.shard_server.conftest import build_engine, random_prompts, run_to_completion
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(model_dir, folder, seed: int, r: int, targets: list[str], alpha: int) -> str:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():  # PEFT's random init is small; make the adapters change the output for sure
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.mul_(4.0)
-    peft.save_pretrained(folder)
-    return str(folder)
+from tests.support.engine import build_engine, random_prompts, run_to_completion
+from tests.support.lora import ALL, make_adapter, peft_greedy
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +21,6 @@ def adapters(demo_model, tmp_path_factory):
     a = make_adapter(model_dir, root / "a", seed=1, r=8, targets=ALL, alpha=16)
     b = make_adapter(model_dir, root / "b", seed=2, r=4, targets=["q_proj", "v_proj", "down_proj"], alpha=8)
     return model_dir, {"a": a, "b": b}
-
-
-def peft_greedy(model_dir, adapter: str | None, prompt: list[int], n: int) -> list[int]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def greedy(n, adapter=None):

@@ -21,7 +21,8 @@ from kubeshard_shard.config import EngineConfig
 from kubeshard_shard.engine import kernels
 from kubeshard_shard.models import quant
 
-from tests.shard_server.conftest import build_engine, greedy, random_prompts, run_to_completion
+from tests.support.engine import (build_engine, greedy, prefill_logits, random_prompts, relative_rms,
+                                  run_to_completion)
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +169,11 @@ def _layer_io(served, prompt) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     hooks = [module.register_forward_hook(keep(name)) for name, module in model.named_modules()
              if isinstance(module, UsesGemm)]
     try:
-        _prefill_logits(served, prompt)
+        prefill_logits(served, prompt)
     finally:
         for h in hooks:
             h.remove()
     return seen
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).pow(2).mean().sqrt() / a.pow(2).mean().sqrt()).item()
 
 
 @pytest.mark.parametrize("method,layer_tol,logit_tol", [("int8", 0.02, 0.10), ("int4", 0.12, None)])
@@ -195,23 +192,9 @@ def test_quantized_layers_and_logits_stay_close_to_float32(demo_model, method, l
     with torch.inference_mode():
         for name, module in packed.items():
             x, want = float_io[name]
-            assert _rel(want, module(x)) <= layer_tol, name
+            assert relative_rms(want, module(x)) <= layer_tol, name
     if logit_tol is not None:
-        assert _rel(_prefill_logits(ref, prompt), _prefill_logits(q, prompt)) <= logit_tol
-
-
-def _prefill_logits(served, prompt) -> torch.Tensor:
-    from kubeshard_shard.engine.scheduler import SchedulerOutput
-    from kubeshard_shard.engine.sequence import Sequence
-
-    engine = served.engine
-    seq = Sequence("x", list(prompt), greedy(1))
-    assert engine.block_manager.allocate(seq, len(prompt))
-    try:
-        plan = engine.runner.prepare(SchedulerOutput(prefills=[(seq, len(prompt))]))
-        return engine.runner.run(plan.inputs)[0].float()
-    finally:
-        engine.block_manager.free_sequence(seq)
+        assert relative_rms(prefill_logits(ref, prompt), prefill_logits(q, prompt)) <= logit_tol
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -19,9 +19,8 @@ import pytest
 
 from kubeshard_shard.engine.request import make_sampling_params
 
-from tests.shard_server.conftest import build_engine, run_to_completion
-from tests.shard_server.test_default_model import KNOWN, MORE, chat_ids, folder
-from tests.shard_server.test_quantization import _prefill_logits, _rel
+from tests.support.default_model import KNOWN, MORE, chat_ids, folder
+from tests.support.engine import build_engine, prefill_logits, relative_rms, run_to_completion
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +39,7 @@ def reference():
     served = build_engine(folder(), kv="128MiB", max_total_tokens=512)
     prompts = [chat_ids(q) for q in list(KNOWN) + MORE]
     ids, texts = _answers(served, prompts)
-    logits = [_prefill_logits(served, p) for p in prompts]
+    logits = [prefill_logits(served, p) for p in prompts]
     return prompts, ids, texts, logits
 
 
@@ -56,7 +55,7 @@ def test_default_model_agreement(reference, method):
         if first is None and len(a) != len(b):
             first = min(len(a), len(b))
         rows.append({"question": q, "first_differing_token": first, "float32": ta, method: tb})
-    errors = [_rel(a, _prefill_logits(served, p)) for p, a in zip(prompts, want_logits)]
+    errors = [relative_rms(a, prefill_logits(served, p)) for p, a in zip(prompts, want_logits)]
     record = json.loads(ARTIFACT.read_text()) if ARTIFACT.is_file() else {}
     record[method] = {"parameter_bytes": served.rank_parameter_bytes[0],
                       "identical_answers": sum(r["first_differing_token"] is None for r in rows),

@@ -8,7 +8,7 @@ import torch
 from kubeshard_shard.engine.request import make_sampling_params
 from kubeshard_shard.engine.sampler import Sampler, filter_logits
 from kubeshard_shard.engine.sequence import Sequence
-from tests.shard_server.conftest import build_engine, greedy, random_prompts, run_to_completion
+from tests.support.engine import build_engine, greedy, random_prompts, run_to_completion
 
 
 def sampled(seed, n=24, **kw):

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kubeshard_proto import pb
-from tests.shard_server.conftest import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
+from tests.support.engine import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
 from tests.support.shard_process import start_group, start_shard, wait_exit
 
 pytestmark = pytest.mark.slow

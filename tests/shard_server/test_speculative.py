@@ -26,7 +26,7 @@ from kubeshard_shard.engine.rejection import accept_or_resample, race
 from kubeshard_shard.engine.request import make_sampling_params
 from kubeshard_shard.server.factory import build_served_model
 
-from tests.shard_server.conftest import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
+from tests.support.engine import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
 from tests.support.shard_process import start_group, start_shard
 
 K = 4

@@ -14,7 +14,7 @@ import pytest
 
 from kubeshard_shard.engine.request import RequestError, make_sampling_params
 from kubeshard_shard.engine.sequence import FinishReason, GrammarSpec
-from tests.shard_server.conftest import build_engine, random_prompts, run_to_completion
+from tests.support.engine import build_engine, random_prompts, run_to_completion
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

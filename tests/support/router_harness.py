@@ -1,5 +1,6 @@
 """Runs the real router app on uvicorn (loopback HTTP) in a background thread, in front of
-StubBackend test doubles served from the same thread's event loop."""
+StubBackend test doubles served from the same thread's event loop; ``RecordingHook``, a
+TEST DOUBLE of the activator's scale-up hook."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import uvicorn
 from kubeshard_router.app import create_app
 from kubeshard_router.config import RouterConfig
 from kubeshard_router.state import RouterState
-from tests.router.stub_backend import StubBackend
+from tests.support.stub_backend import StubBackend
 
 
 class RouterHarness:
@@ -119,3 +120,14 @@ class RouterHarness:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+
+
+class RecordingHook:
+    """TEST DOUBLE of the scale-up hook (the Kubernetes patch in production): records the
+    models it was asked to wake."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def scale_up(self, model: str) -> None:
+        self.calls.append(model)

@@ -6,7 +6,7 @@ lets a test inject failures (unavailable before the first token, failure after k
 overload, hangs) and observe cancellations. Tests of the real engine use
 ``kubeshard serve-shard`` instead.
 
-Run standalone (for the benchmark): ``python -m tests.router.stub_backend --port 50051``.
+Run standalone (for the benchmark): ``python -m tests.support.stub_backend --port 50051``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Real processes for integration tests: ``kubeshard serve-shard`` leaders, the
-``kubeshard-router`` CLI, and the ``kubeshard serve`` launcher, on loopback ports."""
+"""Real kubeshard servers for integration tests and benchmarks, on loopback ports: a
+``kubeshard serve-shard`` leader with small defaults (as a plain ``Proc``; groups and
+ranks: ``shard_process``), the ``kubeshard-router`` CLI, and the ``kubeshard serve``
+launcher."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from tests.support.processes import Proc, start
 from tests.support.redis_server import free_port
 from tests.support.shard_process import READY as SHARD_READY
 
-__all__ = ["Proc", "start", "start_shard", "start_router", "start_serve"]
+__all__ = ["ROUTER_READY", "start_shard", "start_router", "start_serve"]
 
 ROUTER_READY = re.compile(r"^kubeshard ready on http://(?P<host>[^:\s]+):(?P<port>\d+)$")
 
