@@ -54,7 +54,7 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
         try:
             yield
         finally:
-            state.draining = True
+            state.start_draining()
             await state.stop()
 
     app = FastAPI(title="kubeshard router", version=__version__, lifespan=lifespan,

@@ -125,9 +125,8 @@ async def serve(config: RouterConfig, balance: str = "prefix") -> None:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # type: ignore[override]
-            if not state.draining:
+            if state.start_draining():
                 log.info("signal %s: draining (no new connections; in-flight streams finish)", sig)
-            state.draining = True
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(

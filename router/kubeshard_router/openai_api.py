@@ -288,7 +288,7 @@ async def _each_replica(model: ModelState, call) -> None:
     for replica in replicas:  # the adapters in the model's Info change: read it again
         try:
             await model.adopt_info(await replica.client.info())
-            replica.info = model.info
+            replica.set_info(model.info)
         except grpc.aio.AioRpcError:
             pass
 

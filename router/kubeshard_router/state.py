@@ -82,11 +82,22 @@ class RouterState:
             self.load_token = Path(config.load_token_file).read_text().strip() or None
             if self.load_token is None:
                 raise ValueError(f"load_token_file {config.load_token_file!r} is empty")
-        self.draining = False
+        self._draining = False
         self.started_at = time.time()
         self.metrics.add_gauges(self._gauges)
 
     # lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: /readyz answers 503 and new generations are refused, while the
+        ones in flight finish."""
+        return self._draining
+
+    def start_draining(self) -> bool:
+        """Stops taking new requests; True the first time (for the log line)."""
+        first, self._draining = not self._draining, True
+        return first
 
     async def start(self) -> None:
         for watcher in self._key_watchers:

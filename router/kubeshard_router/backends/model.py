@@ -28,7 +28,8 @@ log = logging.getLogger("kubeshard.router.backends")
 class Replica:
     """One shard group of a model, reached through its leader's address.
 
-    ``ready``, ``info`` and ``last_error`` are kept current by the registry's probe;
+    ``ready``, ``info``, ``generator`` and ``last_error`` are kept current by the
+    registry's probe through ``set_ready``, ``set_info`` and ``record_error``;
     ``outstanding`` counts the requests the router has open on this replica. ``client``
     speaks the gRPC contract (Info, Health, Stats); ``generator`` starts generations
     (``backends.engine``): the client itself, or, when the Info names a peer engine's
@@ -52,6 +53,22 @@ class Replica:
 
     def __repr__(self) -> str:
         return f"Replica({self.model.name}@{self.address}, ready={self.ready}, out={self.outstanding})"
+
+    def set_ready(self, ready: bool) -> bool:
+        """Marks the replica ready or not; True when that changed it."""
+        changed, self.ready = self.ready != ready, ready
+        return changed
+
+    def set_info(self, info: pb.InfoResponse, generator: Optional[Generator] = None) -> None:
+        """The Info this replica answered (again, when its adapters changed); ``generator``:
+        what generates on it, when this Info decided that."""
+        self.info = info
+        if generator is not None:
+            self.generator = generator
+
+    def record_error(self, error: str) -> None:
+        """What the last failed probe or request on this replica said."""
+        self.last_error = error
 
     def request_started(self) -> None:
         self.outstanding += 1

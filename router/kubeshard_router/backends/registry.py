@@ -67,7 +67,7 @@ class Registry:
 
     def _drop(self, model: ModelState, address: str) -> None:
         replica = model.replicas.pop(address)
-        replica.ready = False
+        replica.set_ready(False)
         replica.stop_probe()
         # Let in-flight streams finish on the old channel; close it once they have.
         closer = asyncio.create_task(self._close_when_idle(replica))
@@ -98,18 +98,16 @@ class Registry:
 
     def report_failure(self, replica: Replica, error: str) -> None:
         """A request could not reach this replica: take it out until a probe says otherwise."""
-        replica.last_error = error
-        if replica.ready:
+        replica.record_error(error)
+        if replica.set_ready(False):
             log.warning("model %s: replica %s failed (%s); marked not ready", replica.model.name,
                         replica.address, error)
-            replica.ready = False
             replica.model.refresh_ready()
         replica.wake_probe()
 
     def _set_ready(self, replica: Replica, ready: bool, why: str = "") -> None:
-        if replica.ready == ready:
+        if not replica.set_ready(ready):
             return
-        replica.ready = ready
         if ready:
             log.info("model %s: replica %s ready", replica.model.name, replica.address)
         else:
@@ -124,8 +122,7 @@ class Registry:
                 if replica.info is None:
                     info = await replica.client.info()
                     await replica.model.adopt_info(info)
-                    replica.generator = self._generator(replica, info)
-                    replica.info = info
+                    replica.set_info(info, self._generator(replica, info))
                     log.info("model %s: replica %s serves %s@%s (%s, max %d input / %d total tokens)",
                              replica.model.name, replica.address, info.model_id, info.revision,
                              info.device_type, info.max_input_tokens, info.max_total_tokens)
@@ -135,14 +132,14 @@ class Registry:
                 wait = interval
             except grpc.aio.AioRpcError as exc:
                 self._set_ready(replica, False, f"{exc.code().name}: {exc.details()}")
-                replica.last_error = f"{exc.code().name}: {exc.details()}"
+                replica.record_error(f"{exc.code().name}: {exc.details()}")
                 wait = backoff
                 backoff = min(backoff * 2, interval)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bad tokenizer, ...: keep the replica out, say why
                 self._set_ready(replica, False, repr(exc))
-                replica.last_error = repr(exc)
+                replica.record_error(repr(exc))
                 log.exception("model %s: replica %s probe failed", replica.model.name, replica.address)
                 wait = interval
             await replica.probe_pause(wait)
