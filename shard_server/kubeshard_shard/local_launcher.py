@@ -130,6 +130,40 @@ class ShardGroup:
     def leader(self) -> Child:
         return self.members[0]
 
+    @property
+    def restart_pending(self) -> bool:
+        return self.due_at is not None
+
+    def launched(self, members: list[Child]) -> None:
+        """Its processes (again): the leader is not back until it says it is ready."""
+        self.members, self.back_since = members, None
+
+    def broke(self, now: float) -> float:
+        """A member died: counts the restart and schedules it after the back-off; returns
+        that wait in seconds."""
+        self.restarts += 1
+        wait = restart_backoff(self.restarts)
+        self.due_at = now + wait
+        return wait
+
+    def restart_due(self, now: float) -> bool:
+        """True once the scheduled restart is due (then it is no longer pending)."""
+        if self.due_at is None or now < self.due_at:
+            return False
+        self.due_at = None
+        return True
+
+    def leader_ready(self, now: float) -> bool:
+        """The leader answers: True the first time after a restart (serving again). After
+        ``RESTART_RESET_S`` of health the count starts over, so the next failure backs off
+        from the bottom."""
+        if self.back_since is None:
+            self.back_since = now
+            return self.restarts > 0
+        if self.restarts and now - self.back_since >= RESTART_RESET_S:
+            self.restarts = 0
+        return False
+
 
 def restart_backoff(restarts: int) -> float:
     """Seconds before the ``restarts``-th restart of a group: 1, 2, 4, ... up to 30."""
@@ -141,7 +175,15 @@ class Launcher:
         self.children: list[Child] = []   # redis and the router: if one dies, everything stops
         self.groups: list[ShardGroup] = []
         self.tmpdirs: list[str] = []
-        self.stopping = False
+        self._stopping = False
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def request_stop(self) -> None:
+        """Ends ``supervise`` and any wait for readiness (safe in a signal handler)."""
+        self._stopping = True
 
     def spawn(self, name: str, argv: list[str], ready_marker: str | None, echo_ready: bool = False,
               env: dict | None = None) -> Child:
@@ -169,10 +211,9 @@ class Launcher:
         env = {"OMP_NUM_THREADS": str(plan.threads)} if plan.threads is not None else {}
         if isinstance(plan, PeerPlan):
             env.update(plan.env())
-        group.members = [self.spawn(name, argv, ready_marker=SHARD_READY if rank == 0 else None, env=env)
-                         for rank, (name, argv) in enumerate(plan.commands(group.index, group.leader_port,
-                                                                           free_port()))]
-        group.back_since = None
+        group.launched([self.spawn(name, argv, ready_marker=SHARD_READY if rank == 0 else None, env=env)
+                        for rank, (name, argv) in enumerate(plan.commands(group.index, group.leader_port,
+                                                                          free_port()))])
 
     def wait_ready(self, children: list[Child], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -201,30 +242,22 @@ class Launcher:
         return 0
 
     def _tend(self, group: ShardGroup, now: float) -> None:
-        if group.due_at is not None:
-            if now >= group.due_at:
-                group.due_at = None
+        if group.restart_pending:
+            if group.restart_due(now):
                 say(f"restarting group {group.index} (restart {group.restarts})")
                 self.start_group(group)
             return
         dead = next((c for c in group.members if c.proc.poll() is not None), None)
         if dead is not None:
-            group.restarts += 1
-            wait = restart_backoff(group.restarts)
+            wait = group.broke(now)
             say(f"{dead.name} exited with status {dead.proc.returncode}; restarting group {group.index} in "
                 f"{wait:g}s (the other groups keep serving)")
             stop_children(group.members, grace=5.0)
-            group.due_at = now + wait
-        elif group.leader.ready.is_set():
-            if group.back_since is None:
-                group.back_since = now
-                if group.restarts:
-                    say(f"group {group.index} is serving again")
-            elif group.restarts and now - group.back_since >= RESTART_RESET_S:
-                group.restarts = 0  # healthy for a while: the next failure backs off from the bottom
+        elif group.leader.ready.is_set() and group.leader_ready(now):
+            say(f"group {group.index} is serving again")
 
     def stop(self, grace: float = 15.0) -> None:
-        self.stopping = True
+        self.request_stop()
         # the router first, so it drains before the engines go
         stop_children([*reversed(self.children), *(c for g in self.groups for c in g.members)], grace)
         for d in self.tmpdirs:
@@ -298,7 +331,7 @@ def run_launcher(args) -> int:
     launcher = Launcher()
 
     def on_signal(signum, frame):
-        launcher.stopping = True
+        launcher.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
