@@ -5,9 +5,12 @@ ordinal) and serves one *replica* of the model; spec.replicas counts groups. The
 Kubernetes API group of the CRD is the *API group* (API_GROUP).
 
 Layout (one concept per module):
+  config.py     the operator's typed configuration (built once by the CLI)
   spec.py       the typed, validated InferenceService spec (built once from the CRD dict)
   naming.py     names and labels of every child object
   shard_pod.py  pure: spec -> the pod template of a group's shards
+  engine_pod.py pure: spec -> the pod template of a group served by a peer engine (vLLM,
+                llama.cpp's server, any OpenAI-compatible image) with engine-info beside it
   builders.py   pure functions: spec -> manifests (StatefulSet, Services, PDB, HPA)
   observe.py    one read of the children per pass: a Snapshot, and its groups as views
   rollout.py    pure group planning: scaling and surge rollouts, group restarts

@@ -20,8 +20,8 @@ Modules, one job each:
 - ``backends/``     replica sources (static, Kubernetes), gRPC clients, models and
                     replicas (``model``), the registry and its probes; ``engine``: the one
                     interface generations go through, with two kinds, the gRPC contract
-                    (``grpc_client``) and OpenAI-compatible HTTP engines (``openai_http``:
-                    vLLM, llama.cpp's server)
+                    (``grpc_client``) and OpenAI-compatible HTTP engines (``openai_http``,
+                    each engine's ``dialects``: vLLM, llama.cpp's server)
 - ``generation``    the response cache in front of the dispatcher; per-request metrics
 - ``dispatch``      one generation: activation, admission, replica choice, retries, and
                     one relay that reads a flight's tokens for ``stream`` and ``collect``
@@ -31,8 +31,11 @@ Modules, one job each:
 - ``activation``    hold requests for a model with zero ready replicas; scale-up hook
 - ``cache``         Redis response cache for deterministic requests
 - ``counters``      per-model in-flight/queued counts in Redis for autoscaling
+- ``load``          a model's live load in this router instance (tokens in flight, tokens/s)
+- ``load_api``      ``GET /internal/load``: that load, asked directly when Redis is away
 - ``ratelimit``     per-key requests/tokens per minute (one Lua script per check)
 - ``auth``          API keys from a file or a Kubernetes Secret
+- ``tools``         tool calls: rendered by the chat template, enforced by the grammar, parsed back
 - ``playground``    ``GET /``: the chat page (``playground.html``) over ``/v1/chat/completions``
 - ``redis_store``   the Redis connection: short timeouts and a circuit breaker
 - ``errors``, ``http``, ``sse``, ``metrics``, ``cli``

@@ -39,11 +39,6 @@ class CpuFeatures:
         """bfloat16 dot products in hardware (AVX-512 BF16 or AMX)."""
         return bool({"avx512_bf16", "amx_bf16"} & self.flags)
 
-    @property
-    def native_fp16(self) -> bool:
-        """float16 arithmetic in hardware (AVX-512 FP16 or AMX FP16)."""
-        return bool({"avx512_fp16", "amx_fp16"} & self.flags)
-
     def describe(self) -> str:
         simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in self.flags]
         return " ".join(simd) or "no AVX"

@@ -5,9 +5,9 @@ prefill chunks, one after another. Every token's K/V is first written to its slo
 the cache (``slot_mapping``); attention then reads each sequence's context from the
 blocks in its block table.
 
-- Decode tokens use a fused kernel (``kernels.load``'s, when the process has one) that
-  reads K/V straight from the blocks; without it, the contexts are gathered into a
-  padded batch.
+- Decode tokens use a fused kernel (the compiled ``paged_decode_scaled``, which the
+  compute plan hands the model runner when the process has one) that reads K/V
+  straight from the blocks; without it, the contexts are gathered into a padded batch.
 - The pool may hold K/V in another type than the model computes in
   (``--kv-cache-dtype``): bfloat16 or float16 (half the bytes of float32), or int8 with
   one float32 scale per (token, head) -- a block of head_dim values, q = round(x / s),

@@ -15,8 +15,10 @@ outside the clone, and keyed by its source and the CPU's flags; when it cannot b
 or for a head size it does not handle, the torch fallback in ``attention.py`` serves
 (slower, same results up to float rounding).
 
-``load()`` returns the decode kernel, or None when the fallback serves; the model runner
-holds what it returned. ``module()`` is the whole extension (GEMMs included).
+``module()`` is the whole extension (decode attention over every pool type, the GEMMs,
+the fused layers), or None when it cannot be built; ``compute.resolve_compute`` takes the
+engine's decode kernel (``paged_decode_scaled``) and the GEMMs from it and hands them to
+the model runner and layers. ``load()`` is the float32-only ``paged_decode`` alone.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ CACHE_TYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16, tor
 
 def supports(kernel: Callable | None, q: torch.Tensor, cache: torch.Tensor | None = None) -> bool:
     """Whether ``kernel`` serves decode queries like ``q`` ([B, Hq, D]): ``load``'s
-    float32 kernel when no ``cache`` is given, else the engine's (``load_scaled``) over a
-    pool like ``cache``."""
+    float32 kernel when no ``cache`` is given, else the engine's (``paged_decode_scaled``)
+    over a pool like ``cache``."""
     if cache is None:
         ok = q.dtype == torch.float32
     else:
@@ -92,14 +94,6 @@ def load(cpu_flags: str = "") -> Callable | None:
     context_lens, block_size, scale)``, or None when the torch fallback serves."""
     built = module(cpu_flags)
     return None if built is None else built.paged_decode
-
-
-def load_scaled(cpu_flags: str = "") -> Callable | None:
-    """The engine's decode kernel over any pool type, ``kernel(out, q, k_cache, v_cache,
-    k_scale, v_scale, block_tables, context_lens, block_size, scale)`` (the scales: None
-    but for an int8 pool), or None."""
-    built = module(cpu_flags)
-    return None if built is None else built.paged_decode_scaled
 
 
 if __name__ == "__main__":  # `make install` builds the kernel once, ahead of the first server
