@@ -291,9 +291,9 @@ def render(data: dict) -> str:
                   "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for L, x in s.items():
             for name, p in x["phases"].items():
-                lines.append(f"| {L} | {name.removesuffix('_phase')} | {p.get('lookups', 0)} | "
-                             f"{p.get('hit_blocks', 0)} | {p.get('prefill_tokens_saved', 0)} | {p.get('timeouts', 0)} | "
-                             f"{p.get('redis_errors', 0)} | {p['prefix_cache_hits']} |")
+                cells = [p.get(k, 0) for k in ("lookups", "hit_blocks", "prefill_tokens_saved", "timeouts",
+                                               "redis_errors", "prefix_cache_hits")]
+                lines.append(f"| {L} | {name.removesuffix('_phase')} | " + " | ".join(map(str, cells)) + " |")
         lines += ["", f"Redis bytes per cached token: {model['bytes_per_token']:.0f} (K and V of every layer, "
                   "float32, plus a 64-byte header per 16-token block). Entries refused on the fresh server: "
                   f"{model['fresh_rejected']}.", ""]
