@@ -29,15 +29,13 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from kubeshard_shard.activations.ops import COUNTERS, RUNNING, CacheOps, Transfer
 from kubeshard_shard.activations.worker import CacheWorker
 from kubeshard_shard.config import ActivationCacheConfig
+from kubeshard_shard.engine.lane import Lane
 from kubeshard_shard.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kubeshard_shard.engine.llm_engine import Lane
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from kubeshard_shard.activations.coordinator import ActivationCache, ActivationC
 from kubeshard_shard.engine.block_manager import BlockManager
 from kubeshard_shard.engine.detokenizer import IncrementalDetokenizer
 from kubeshard_shard.engine.grammar import GrammarCache
+from kubeshard_shard.engine.lane import Lane
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs, StepPlan
 from kubeshard_shard.engine.rejection import verify
 from kubeshard_shard.engine.sampler import Sampler
@@ -117,25 +118,6 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-
-@dataclass
-class Lane:
-    """One continuous-batching lane: a scheduler over its own KV-block pool."""
-
-    index: int
-    block_manager: BlockManager
-    scheduler: Scheduler
-
-    @classmethod
-    def create(cls, index: int, num_blocks: int, block_size: int, prefix_caching: bool, max_batch_tokens: int,
-               max_num_seqs: int, lookahead: Callable[[Sequence], int] | None = None) -> "Lane":
-        bm = BlockManager(num_blocks, block_size, prefix_caching)
-        return cls(index, bm, Scheduler(bm, max_batch_tokens, max_num_seqs, lookahead))
-
-    @property
-    def load(self) -> int:
-        return self.scheduler.num_unfinished
 
 
 def lane_stats(lane: Lane) -> EngineStats:

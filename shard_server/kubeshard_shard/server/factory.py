@@ -21,7 +21,8 @@ from kubeshard_shard.compute import Compute, resolve_compute
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.distributed.strategy import Single, Strategy
 from kubeshard_shard.engine.attention import KVCache
-from kubeshard_shard.engine.llm_engine import Lane, LLMEngine
+from kubeshard_shard.engine.lane import Lane
+from kubeshard_shard.engine.llm_engine import LLMEngine
 from kubeshard_shard.engine.model_runner import ModelRunner
 from kubeshard_shard.engine.request import Limits
 from kubeshard_shard.engine.sequence import SamplingParams
