@@ -240,27 +240,6 @@ void kv_store(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
 #pragma GCC pop_options
 
 // ------------------------------------------------------------------------ SwiGLU
-static inline float exp_f32(float x) {
-  // 2^(x log2 e) with a degree-6 polynomial for 2^f, f in [-0.5, 0.5] (~1 ulp)
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
-  float r;
-  std::memcpy(&r, &bits, sizeof(r));
-  return r;
-}
-
 // gate_up [T, 2I] -> silu(gate) * up [T, I]; silu rounded to the type before the product,
 // as torch's two ops are.
 template <typename T>

@@ -182,56 +182,32 @@ static inline __m256i dot32(__m256i wa, __m256i wb, const int16_t* x) {
 }
 #endif
 
-// ------------------------------------------------------------------------------ int8
-template <int MR, int NR>
-static void q8_tile(const QuantX& qx, int64_t m0, int64_t K, const int8_t* w, const uint16_t* ws, int64_t G,
-                    float* y, int64_t ldy, const float* bias) {
-  const int64_t nb = K / 32, ng = K / G, bpg = G / 32;
-  const int16_t* xq = qx.q.data() + m0 * K;
-  const float* dx = qx.d.data() + m0 * nb;
-#if defined(KS_AVX2)
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    float wsc[NR];
-    for (int n = 0; n < NR; ++n) wsc[n] = fp16_to_f32(ws[n * ng + g]);
-    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      __m256i wa[NR], wb[NR];
-      for (int n = 0; n < NR; ++n) {
-        const int8_t* p = w + n * K + b * 32;
-        // the rows stream from memory: ask for what comes 16 blocks on (the hardware
-        // prefetcher alone left this loop waiting on DRAM at well under its bandwidth)
-        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + KS_PREFETCH), _MM_HINT_T0);
-        wa[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        wb[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-      }
-      for (int m = 0; m < MR; ++m) {
-        const float d = dx[m * nb + b];
-        for (int n = 0; n < NR; ++n) {
-          const __m256i dot = dot32(wa[n], wb[n], xq + m * K + b * 32);
-          acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * wsc[n]), acc[m][n]);
-        }
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) y[m * ldy + n] = hsum256(acc[m][n]) + (bias ? bias[n] : 0.f);
-#else
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) {
-      float s = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
-        for (int i = 0; i < 32; ++i) dot += int32_t(xq[m * K + b * 32 + i]) * w[n * K + b * 32 + i];
-        s += float(dot) * dx[m * nb + b] * fp16_to_f32(ws[n * ng + b / bpg]);
-      }
-      y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
-    }
-#endif
-}
+// ------------------------------------------------------------------ int8 and int4 rows
+// How a quantized format's weight rows are read, from a tile's first row: each block of
+// 32 weights as two vectors of 16 int16 (AVX2) or one integer dot (scalar), each group's
+// float16 scale, and what an output adds beyond the blocks' dots (int4's minimums).
+struct Int8Rows {
+  const int8_t* w;         // [rows, K]
+  const uint16_t* scales;  // [rows, K / G]
+  int64_t K, ng;
+  static constexpr int64_t kPrefetchMask = 1;  // 32 bytes a block: prefetch every 2nd
+  static constexpr bool kMinTerms = false;
 
-// ------------------------------------------------------------------------------ int4
+  const int8_t* block(int n, int64_t b) const { return w + n * K + b * 32; }
+  float scale(int n, int64_t g) const { return fp16_to_f32(scales[n * ng + g]); }
+#if defined(KS_AVX2)
+  static void load(const int8_t* p, __m256i& a, __m256i& b) {
+    a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+#endif
+  static int32_t dot(const int8_t* p, const int16_t* x) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; ++i) s += int32_t(x[i]) * p[i];
+    return s;
+  }
+};
+
 // sum_i (d q_i + m) x_i with x_i ~ xq_i dx: the integer dots give d dx sum q_i xq_i; this
 // adds, per group, m times the exact sum of x and 8 d times (that sum less the sum of the
 // quantized x), which makes the error that of the centred d (q_i - 8).
@@ -253,31 +229,59 @@ static inline float q4_min_terms(const uint16_t* d, const uint16_t* m, const flo
   return t;
 }
 
-template <int MR, int NR>
-static void q4_tile(const QuantX& qx, int64_t m0, int64_t K, const uint8_t* w, const uint16_t* ws,
-                    const uint16_t* wm, int64_t G, float* y, int64_t ldy, const float* bias) {
-  const int64_t nb = K / 32, ng = K / G, bpg = G / 32, row = K / 2;
+struct Int4Rows {
+  const uint8_t* w;        // [rows, K / 2]
+  const uint16_t* scales;  // [rows, K / G]
+  const uint16_t* mins;    // [rows, K / G]
+  int64_t K, ng;
+  static constexpr int64_t kPrefetchMask = 3;  // 16 bytes a block: prefetch every 4th
+  static constexpr bool kMinTerms = true;
+
+  const uint8_t* block(int n, int64_t b) const { return w + n * (K / 2) + b * 16; }
+  float scale(int n, int64_t g) const { return fp16_to_f32(scales[n * ng + g]); }
+#if defined(KS_AVX2)
+  static void load(const uint8_t* p, __m256i& a, __m256i& b) {
+    // 16 bytes widened to 16 bits: the low nibbles are values 0..15, the high ones 16..31
+    const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    a = _mm256_and_si256(raw, _mm256_set1_epi16(0x0F));
+    b = _mm256_srli_epi16(raw, 4);
+  }
+#endif
+  static int32_t dot(const uint8_t* p, const int16_t* x) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; ++i) {
+      s += int32_t(p[i] & 0x0F) * x[i];
+      s += int32_t(p[i] >> 4) * x[16 + i];
+    }
+    return s;
+  }
+  float min_terms(int n, const QuantX& qx, int64_t row) const {
+    return q4_min_terms(scales + n * ng, mins + n * ng, qx.gsum.data() + row * ng, qx.gerr.data() + row * ng, ng);
+  }
+};
+
+// One tile: MR rows of x (from row m0) against NR rows of a quantized W.
+template <int MR, int NR, typename Rows>
+static void quant_tile(const QuantX& qx, int64_t m0, int64_t K, const Rows& rows, int64_t G, float* y,
+                       int64_t ldy, const float* bias) {
+  const int64_t nb = K / 32, ng = K / G, bpg = G / 32;
   const int16_t* xq = qx.q.data() + m0 * K;
   const float* dx = qx.d.data() + m0 * nb;
-  const float* gs = qx.gsum.data() + m0 * ng;
-  const float* ge = qx.gerr.data() + m0 * ng;
 #if defined(KS_AVX2)
-  const __m256i low = _mm256_set1_epi16(0x0F);
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
     float wsc[NR];
-    for (int n = 0; n < NR; ++n) wsc[n] = fp16_to_f32(ws[n * ng + g]);
+    for (int n = 0; n < NR; ++n) wsc[n] = rows.scale(n, g);
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
       __m256i wa[NR], wb[NR];
       for (int n = 0; n < NR; ++n) {
-        const uint8_t* p = w + n * row + b * 16;
-        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + KS_PREFETCH), _MM_HINT_T0);
-        // 16 bytes widened to 16 bits: the low nibbles are values 0..15, the high ones 16..31
-        const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        wa[n] = _mm256_and_si256(raw, low);
-        wb[n] = _mm256_srli_epi16(raw, 4);
+        const auto* p = rows.block(n, b);
+        // the rows stream from memory: ask for what comes KS_PREFETCH bytes on (the
+        // hardware prefetcher alone left this loop waiting on DRAM at well under its bandwidth)
+        if ((b & Rows::kPrefetchMask) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + KS_PREFETCH), _MM_HINT_T0);
+        Rows::load(p, wa[n], wb[n]);
       }
       for (int m = 0; m < MR; ++m) {
         const float d = dx[m * nb + b];
@@ -289,26 +293,35 @@ static void q4_tile(const QuantX& qx, int64_t m0, int64_t K, const uint8_t* w, c
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n)
-      y[m * ldy + n] = hsum256(acc[m][n]) + q4_min_terms(ws + n * ng, wm + n * ng, gs + m * ng, ge + m * ng, ng) +
-                       (bias ? bias[n] : 0.f);
+    for (int n = 0; n < NR; ++n) {
+      float s = hsum256(acc[m][n]);
 #else
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
       float s = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
-        const uint8_t* p = w + n * row + b * 16;
-        for (int i = 0; i < 16; ++i) {
-          dot += int32_t(p[i] & 0x0F) * xq[m * K + b * 32 + i];
-          dot += int32_t(p[i] >> 4) * xq[m * K + b * 32 + 16 + i];
-        }
-        s += float(dot) * dx[m * nb + b] * fp16_to_f32(ws[n * ng + b / bpg]);
-      }
-      y[m * ldy + n] = s + q4_min_terms(ws + n * ng, wm + n * ng, gs + m * ng, ge + m * ng, ng) +
-                       (bias ? bias[n] : 0.f);
-    }
+      for (int64_t b = 0; b < nb; ++b)
+        s += float(Rows::dot(rows.block(n, b), xq + m * K + b * 32)) * dx[m * nb + b] * rows.scale(n, b / bpg);
 #endif
+      if constexpr (Rows::kMinTerms) s += rows.min_terms(n, qx, m0 + m);
+      y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
+    }
+}
+
+// y = x W^T (+ bias) over W's rows in tiles: `rows(n)` reads W from its row n.
+template <typename RowsAt>
+static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const float* b, const QuantX& qx,
+                             RowsAt rows) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t NR = 4;
+  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
+#define KS_CALL(mr, nr) quant_tile<mr, nr>(qx, m, K, rows(n), G, yp + m * N + n, N, b ? b + n : nullptr)
+    KS_FOR_TILES(NR, 2, KS_CALL)
+#undef KS_CALL
+  });
+  return y;
 }
 
 static const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, const char* what) {
@@ -332,20 +345,11 @@ at::Tensor gemm_q8(at::Tensor x, at::Tensor w, at::Tensor scales, int64_t G,
   TORCH_CHECK(w.size(1) == K && scales.size(0) == N, "gemm_q8: shapes do not match");
   check_groups(K, G, scales.size(1), "gemm_q8");
   const float* b = bias_ptr(bias, N, "gemm_q8");
-  auto y = at::empty({M, N}, x.options());
   const QuantX qx = quantize_x(x.data_ptr<float>(), M, K);
   const int8_t* wp = w.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
   const int64_t ng = K / G;
-  constexpr int64_t NR = 4;
-  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
-#define KS_CALL(mr, nr) q8_tile<mr, nr>(qx, m, K, wp + n * K, sp + n * ng, G, yp + m * N + n, N, b ? b + n : nullptr)
-    KS_FOR_TILES(NR, 2, KS_CALL)
-#undef KS_CALL
-  });
-  return y;
+  return quant_gemm(x, N, G, b, qx, [&](int64_t n) { return Int8Rows{wp + n * K, sp + n * ng, K, ng}; });
 }
 
 at::Tensor gemm_q4(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor mins, int64_t G,
@@ -359,23 +363,14 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor min
               "gemm_q4: shapes do not match");
   check_groups(K, G, scales.size(1), "gemm_q4");
   const float* b = bias_ptr(bias, N, "gemm_q4");
-  auto y = at::empty({M, N}, x.options());
   QuantX qx = quantize_x(x.data_ptr<float>(), M, K);
   qx.group(M, K, G);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
   const int64_t ng = K / G;
-  constexpr int64_t NR = 4;
-  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
-#define KS_CALL(mr, nr) \
-  q4_tile<mr, nr>(qx, m, K, wp + n * (K / 2), sp + n * ng, mp + n * ng, G, yp + m * N + n, N, b ? b + n : nullptr)
-    KS_FOR_TILES(NR, 2, KS_CALL)
-#undef KS_CALL
-  });
-  return y;
+  return quant_gemm(x, N, G, b, qx,
+                    [&](int64_t n) { return Int4Rows{wp + n * (K / 2), sp + n * ng, mp + n * ng, K, ng}; });
 }
 
 // -------------------------------------------------------------------- dequantization

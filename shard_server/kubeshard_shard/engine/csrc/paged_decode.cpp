@@ -65,29 +65,6 @@ static inline float hsum16(f32x16 v) {
 #endif
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max), written so the compiler
-// vectorizes the loops that call it: 2^(x log2 e) = 2^n * 2^f, 2^f by a degree-6
-// polynomial on [-0.5, 0.5] (relative error ~1e-7, as good as float32 gives).
-static inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
-  float r;
-  std::memcpy(&r, &bits, sizeof(r));
-  return r;
-}
-
 static void softmax_rows(float* s, int64_t rows, int64_t L) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sg = s + r * L;
@@ -96,7 +73,7 @@ static void softmax_rows(float* s, int64_t rows, int64_t L) {
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < L; ++t) {
-      sg[t] = fast_exp(sg[t] - m);
+      sg[t] = ks::exp_f32(sg[t] - m);
       sum += sg[t];
     }
     const float inv = 1.f / sum;
