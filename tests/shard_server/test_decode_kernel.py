@@ -11,12 +11,9 @@ from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import decode_attention_reference
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    loaded = kernels.load()
-    if loaded is None:
-        pytest.fail("the paged decode kernel failed to build on this machine")
-    return loaded
+@pytest.fixture
+def kernel(cpu_kernels):
+    return cpu_kernels.paged_decode
 
 
 @pytest.mark.parametrize("hq,hkv,d,block_size", [

@@ -16,18 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import KVCache, decode_attention_reference, quantize_rows
 
 from tests.support.engine import build_engine, greedy, random_prompts, run_to_completion
 
 
-@pytest.fixture(scope="module")
-def k():
-    built = kernels.module()
-    if built is None:
-        pytest.fail("the CPU kernels failed to build on this machine")
-    return built
+@pytest.fixture
+def k(cpu_kernels):
+    return cpu_kernels
 
 
 def _paged(hkv=2, d=64, block_size=16, lens=(1, 17, 40), seed=0):

@@ -18,19 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from kubeshard_shard.config import EngineConfig
-from kubeshard_shard.engine import kernels
 from kubeshard_shard.models import quant
 
 from tests.support.engine import (build_engine, greedy, prefill_logits, random_prompts, relative_rms,
                                   run_to_completion)
 
 
-@pytest.fixture(scope="module")
-def k():
-    built = kernels.module()
-    if built is None:
-        pytest.fail("the CPU kernels failed to build on this machine")
-    return built
+@pytest.fixture
+def k(cpu_kernels):
+    return cpu_kernels
 
 
 def quantize_x(x: torch.Tensor):
