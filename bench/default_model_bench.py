@@ -31,6 +31,7 @@ from bench.common import RESULTS, kubeshard, machine, peak_rss_bytes, percentile
 from tests.support.servers import ROUTER_READY
 from tests.support.processes import start
 from tests.support.redis_server import free_port
+from tests.support.sse import DONE, sse_data
 
 MODEL = "smollm2-135m-instruct"
 TOPICS = ["the ocean", "a lighthouse keeper", "the first snow of winter", "a city at night", "an old library",
@@ -57,9 +58,9 @@ async def chat_stream(client: httpx.AsyncClient, text: str, max_tokens: int) -> 
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line == "data: [DONE]":
+            event = sse_data(line)
+            if event is None or event == DONE:
                 continue
-            event = json.loads(line[5:])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             if any(c["delta"].get("content") for c in event.get("choices", [])):

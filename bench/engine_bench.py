@@ -31,6 +31,7 @@ from tests.support.servers import ROUTER_READY
 from tests.support.processes import start
 from tests.support.redis_server import free_port
 from tests.support.shard_process import READY as SHARD_READY
+from tests.support.sse import sse_data
 
 N_REQUESTS, PROMPT, NEW = 64, 128, 128
 VLLM = {"offline_tok_s": 816, "seq_tok_s": 48, "batched_tok_s": 259, "ttft_1_ms": 67, "tpot_1_ms": 17.4,
@@ -102,13 +103,12 @@ async def http_stream(client: httpx.AsyncClient, url: str, text: str) -> tuple[f
                              headers={"Cache-Control": "no-cache"}) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                event = json.loads(line[5:])
-                if event.get("token"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    n += 1
+            event = sse_data(line)
+            if event is not None and event.get("token"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                n += 1
     tpot = (last - first) / (n - 1) if n > 1 else float("nan")
     return first - started, tpot, n
 

@@ -38,6 +38,7 @@ from bench.common import RESULTS, machine, percentile
 from e2e.operator.conftest import CHART, CRDS, INSTALL_VALUES, RELEASE, inference_service, node_values
 from e2e.waiting import wait_for
 from kubeshard_shard.paths import cache_root
+from tests.support.sse import sse_data, sse_events
 
 NO_CACHE = {"Cache-Control": "no-cache, no-store"}
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
@@ -155,9 +156,8 @@ class Bench:
         with httpx.Client(timeout=300) as client:
             with client.stream("POST", f"{url}/models/{name}/generate_stream", json=body, headers=NO_CACHE) as r:
                 assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data:") and first is None:
-                        first = time.time()
+                for _ in sse_events(r.iter_lines()):
+                    first = first or time.time()
         stop.set()
         watcher.join(5)
         shard_log = self.cluster.pod_logs(self.ns, pod_name)
@@ -359,9 +359,9 @@ async def open_loop(url: str, model: str, phases: list[Phase],
                     async with client.stream("POST", f"{url}/models/{model}/generate_stream", json=body,
                                              headers=NO_CACHE) as r:
                         async for line in r.aiter_lines():
-                            if not line.startswith("data:"):
+                            event = sse_data(line)
+                            if event is None:
                                 continue
-                            event = json.loads(line[5:])
                             if "error" in event:
                                 error = str(event["error"])
                             elif event.get("generated_text") is not None:

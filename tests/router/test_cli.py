@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 
 from tests.support.processes import Proc, start
 from tests.support.servers import start_router
+from tests.support.sse import sse_events
 from tests.support.waiting import wait_for
 from tests.support.redis_server import free_port
 
@@ -90,10 +90,9 @@ def test_sigterm_drains_in_flight_streams():
             with httpx.Client(timeout=60) as c:
                 with c.stream("POST", router.url + "/generate_stream",
                               json={"inputs": "hi", "parameters": {"max_new_tokens": 40}}) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data:"):
-                            events.append(json.loads(line[5:]))
-                            started.set()
+                    for event in sse_events(r.iter_lines()):
+                        events.append(event)
+                        started.set()
 
         t = threading.Thread(target=consume)
         t.start()

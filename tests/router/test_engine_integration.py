@@ -18,7 +18,7 @@ import transformers
 
 from tests.support.servers import start_router, start_serve, start_shard
 from tests.support.metrics import metric
-from tests.support.sse import sse
+from tests.support.sse import sse, sse_events
 from tests.support.waiting import wait_for
 
 LIMITS = ["--max-input-tokens", "96", "--max-total-tokens", "160"]
@@ -190,11 +190,10 @@ def test_replica_killed_mid_stream_gives_an_error_event(demo_model):
         with httpx.Client(timeout=60) as c:
             with c.stream("POST", router.url + "/generate_stream",
                           json={"inputs": "Go on forever", "parameters": {"max_new_tokens": 3900}}) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(json.loads(line[5:]))
-                        if len(events) == 5:
-                            shard.kill()
+                for event in sse_events(r.iter_lines()):
+                    events.append(event)
+                    if len(events) == 5:
+                        shard.kill()
         assert len(events) > 5 and "token" in events[0]
         assert events[-1]["error_type"] == "incomplete_generation" and "tokens" in events[-1]["error"]
         assert all(e.get("generated_text") is None for e in events[:-1])

@@ -12,7 +12,7 @@ import pytest
 from tests.support.http import post_in_thread
 from tests.support.metrics import metric
 from tests.support.router_harness import RecordingHook
-from tests.support.sse import sse
+from tests.support.sse import sse, sse_events
 from tests.support.waiting import wait_for
 
 
@@ -134,9 +134,8 @@ def test_client_disconnect_cancels_the_backend_stream(router):
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", router.url + "/generate_stream",
                            json={"inputs": "hi", "parameters": {"max_new_tokens": 100}}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    break  # one token received, then the client goes away
+            for _ in sse_events(r.iter_lines()):
+                break  # one token received, then the client goes away
     assert wait_for(lambda: stub.counters.cancelled == 1 and stub.counters.active == 0)
     assert stub.counters.completed == 0
     assert wait_for(lambda: router.state.registry.models["stub"].admission.in_flight == 0)
