@@ -36,6 +36,7 @@ from kubeshard_shard.engine.rejection import verify
 from kubeshard_shard.engine.sampler import Sampler
 from kubeshard_shard.engine.scheduler import Scheduler
 from kubeshard_shard.engine.speculative import SpeculativeStats, Speculator
+from kubeshard_shard.engine.step_counters import StepCounters
 from kubeshard_shard.engine.request import RequestError
 from kubeshard_shard.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from kubeshard_shard.models.lora import AdapterError
@@ -178,11 +179,7 @@ class LLMEngine:
         self.sampler = Sampler(tokenizer.eos_ids, vocab_size)
         self.grammars = GrammarCache(tokenizer.tokenizer_json, tokenizer.eos_ids, vocab_size)
         self.requests: dict[int, _Request] = {}
-        self._next_key = 0
-        self.generated_tokens_total = 0
-        self.steps_total = 0
-        self.last_step_seconds = 0.0
-        self.step_seconds_total = 0.0
+        self.counters = StepCounters()
 
     # single-lane conveniences (tests, tools)
     @property
@@ -238,8 +235,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
         """Queues a validated request; returns its key for ``abort`` and outputs. A request
         of n sequences starts with one; the others follow once it has computed the prompt."""
-        key = self._next_key
-        self._next_key += 1
+        key = self.counters.new_key()
         request = _Request(key)
         lane = self._pick_lane(list(prompt_ids))
         state = self._new_sequence(request, lane, request_id, prompt_ids, params, 0)
@@ -319,9 +315,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         per = [lane_stats(s) for s in self.lanes]
-        total = EngineStats(generated_tokens_total=self.generated_tokens_total, steps_total=self.steps_total,
-                            last_step_seconds=self.last_step_seconds, step_seconds_total=self.step_seconds_total,
-                            comm_seconds_total=self.executor.comm_seconds)
+        total = EngineStats(**self.counters.totals(), comm_seconds_total=self.executor.comm_seconds)
         for name in ("waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
                      "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "preemptions_total"):
             setattr(total, name, sum(getattr(p, name) for p in per))
@@ -359,9 +353,7 @@ class LLMEngine:
         for lane, sched, plan, lg in zip(self.lanes, scheds, plans, logits):
             if plan is not None:
                 outputs.extend(self._update(lane, sched, plan, lg))
-        self.steps_total += 1
-        self.last_step_seconds = time.perf_counter() - started
-        self.step_seconds_total += self.last_step_seconds
+        self.counters.step_done(started)
         return outputs
 
     def _update(self, lane: Lane, sched, plan: StepPlan, logits: torch.Tensor) -> list[TokenOutput]:
@@ -456,7 +448,7 @@ class LLMEngine:
         seq = state.seq
         seq.token_ids.append(tok.token_id)
         seq.cumulative_logprob += tok.logprob
-        self.generated_tokens_total += 1
+        self.counters.token_generated()
         special = tok.token_id in self.tokenizer.special_ids
         text = state.detok.add(tok.token_id)
         params = seq.params

@@ -27,6 +27,7 @@ from kubeshard_shard.engine.detokenizer import IncrementalDetokenizer
 from kubeshard_shard.engine.llm_engine import EngineStats, FinishInfo, TokenOutput, TopToken
 from kubeshard_shard.engine.request import RequestError
 from kubeshard_shard.engine.sequence import FinishReason, SamplingParams
+from kubeshard_shard.engine.step_counters import StepCounters
 from kubeshard_shard.tokenizer import ModelTokenizer
 
 
@@ -76,11 +77,7 @@ class OnnxEngine:
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
         self.requests: dict[int, _Request] = {}
-        self._next_key = 0
-        self.generated_tokens_total = 0
-        self.steps_total = 0
-        self.last_step_seconds = 0.0
-        self.step_seconds_total = 0.0
+        self.counters = StepCounters()
 
     # ---- what the gRPC service checks first ------------------------------------------
     @staticmethod
@@ -108,8 +105,7 @@ class OnnxEngine:
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
-        key = self._next_key
-        self._next_key += 1
+        key = self.counters.new_key()
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer, list(prompt_ids), self.tokenizer.special_ids,
                                        params.skip_special_tokens, params.spaces_between_special_tokens)
         request = _Request(key, request_id, list(prompt_ids), params, detok,
@@ -141,9 +137,7 @@ class OnnxEngine:
         return None
 
     def stats(self) -> EngineStats:
-        return EngineStats(waiting=len(self.waiting), running=len(self.running),
-                           generated_tokens_total=self.generated_tokens_total, steps_total=self.steps_total,
-                           last_step_seconds=self.last_step_seconds, step_seconds_total=self.step_seconds_total)
+        return EngineStats(waiting=len(self.waiting), running=len(self.running), **self.counters.totals())
 
     # ---- one step: schedule, execute, update -----------------------------------------
     def step(self) -> list[TokenOutput]:
@@ -157,9 +151,7 @@ class OnnxEngine:
             request.generator.generate_next_token()
             token_id = int(request.generator.get_next_tokens()[0])
             outputs.append(self._update(request, token_id, log_softmax(logits)))
-        self.steps_total += 1
-        self.last_step_seconds = time.perf_counter() - started
-        self.step_seconds_total += self.last_step_seconds
+        self.counters.step_done(started)
         return outputs
 
     def _start(self, request: _Request):
@@ -186,7 +178,7 @@ class OnnxEngine:
     def _update(self, request: _Request, token_id: int, logprobs: np.ndarray) -> TokenOutput:
         p = request.params
         request.generated += 1
-        self.generated_tokens_total += 1
+        self.counters.token_generated()
         scale = p.temperature if p.do_sample and p.temperature else 1.0
         lps = logprobs if scale == 1.0 else log_softmax(logprobs * (1.0 / scale))
         logprob = float(lps[token_id]) if token_id < lps.shape[0] else float("nan")
