@@ -49,48 +49,56 @@ class GenerationService:
         self.metrics.cache_misses.labels(model.name).inc()
         return key, None
 
+    async def _open(self, model: ModelState, engine: EngineRequest, ctx: RequestContext,
+                    control: CacheControl) -> tuple[Optional[str], Optional[list[pb.Token]], int]:
+        """A request's start, for both APIs: counted as arrived and looked up in the cache;
+        on a miss, the tokens it may hold (prompt plus budget) are reserved in the load.
+        Returns the key to write its answer under (None: not cached), the cached tokens on
+        a hit, and the tokens reserved."""
+        model.load.arrived()
+        key, cached = await self._lookup(model, engine, ctx, control)
+        reserved = 0
+        if cached is None:
+            reserved = len(engine.input_ids) + engine.token_budget
+            model.load.begin(reserved)
+        return (key if control.write else None), cached, reserved
+
+    def _store(self, key: Optional[str], tokens: Optional[list[pb.Token]]) -> None:
+        if key is not None and tokens and self.cache is not None:
+            self.cache.put(key, tokens)
+
     async def stream(self, model: ModelState, engine: EngineRequest, ctx: RequestContext,
                      control: CacheControl) -> AsyncIterator[pb.Token]:
-        load = model.load
-        load.arrived()
-        key, cached = await self._lookup(model, engine, ctx, control)
+        key, cached, reserved = await self._open(model, engine, ctx, control)
         if cached is not None:
             for token in cached:
                 yield token
             return
-        record: Optional[list[pb.Token]] = [] if key is not None and control.write else None
-        reserved = len(engine.input_ids) + engine.token_budget
-        load.begin(reserved)
+        record: Optional[list[pb.Token]] = [] if key is not None else None
         streamed = 0
         try:
             async for token in self.dispatcher.stream(model, engine, ctx):
                 if record is not None:
                     record.append(token)
                 streamed += 1
-                load.produced()
+                model.load.produced()
                 yield token
         finally:
-            load.end(reserved - streamed)
-        if record and self.cache is not None:
-            self.cache.put(key, record)
+            model.load.end(reserved - streamed)
+        self._store(key, record)
 
     async def collect(self, model: ModelState, engine: EngineRequest, ctx: RequestContext,
                       control: CacheControl) -> list[pb.Token]:
-        load = model.load
-        load.arrived()
-        key, cached = await self._lookup(model, engine, ctx, control)
+        key, cached, reserved = await self._open(model, engine, ctx, control)
         if cached is not None:
             return cached
-        reserved = len(engine.input_ids) + engine.token_budget
-        load.begin(reserved)
         tokens: list[pb.Token] = []
         try:
             tokens = await self.dispatcher.collect(model, engine, ctx)
         finally:
-            load.produced(len(tokens))
-            load.end(reserved - len(tokens))
-        if key is not None and control.write and self.cache is not None:
-            self.cache.put(key, tokens)
+            model.load.produced(len(tokens))
+            model.load.end(reserved - len(tokens))
+        self._store(key, tokens)
         return tokens
 
     def record(self, model: str, ctx: RequestContext, error_type: Optional[str]) -> None:
