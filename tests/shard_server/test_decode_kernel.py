@@ -9,6 +9,7 @@ import torch
 
 from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import decode_attention_reference
+from tests.support.paged_pool import scattered_pool
 
 
 @pytest.fixture
@@ -27,18 +28,7 @@ def kernel(cpu_kernels):
 def test_kernel_matches_reference(kernel, hq, hkv, d, block_size):
     gen = torch.Generator().manual_seed(hq * 1000 + d)
     lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 197]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 7
-    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()   # blocks scattered over the pool
-    width = max(-(-n // block_size) for n in lens)
-    tables = []
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(order[:need] + [0] * (width - need))
-        order = order[need:]
-    block_tables = torch.tensor(tables, dtype=torch.int32)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
+    k_cache, v_cache, block_tables, context_lens = scattered_pool(gen, lens, hkv, d, block_size, spare=7)
     q = torch.randn(len(lens), hq, d, generator=gen)
     scale = d ** -0.5
 

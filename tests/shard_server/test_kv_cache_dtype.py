@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kubeshard_shard.engine.attention import KVCache, decode_attention_reference, quantize_rows
 
 from tests.support.engine import build_engine, greedy, random_prompts, run_to_completion
+from tests.support.paged_pool import scattered_pool
 
 
 @pytest.fixture
@@ -27,18 +28,7 @@ def k(cpu_kernels):
 
 
 def _paged(hkv=2, d=64, block_size=16, lens=(1, 17, 40), seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(-(-n // block_size) for n in lens)
-    tables = []
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(order[:need] + [0] * (width - need))
-        order = order[need:]
-    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    return scattered_pool(torch.Generator().manual_seed(seed), lens, hkv, d, block_size, spare=3)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.int8])
