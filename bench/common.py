@@ -70,6 +70,13 @@ def write_results(name: str, data: dict, markdown: str) -> None:
     print(markdown)
 
 
+def rerender(name: str, render) -> None:
+    """A benchmark's ``--render``: rewrites ``results/<name>.md`` from its ``.json`` with
+    ``render(data)``, running nothing."""
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    write_results(name, data, render(data))
+
+
 def demo_model(arch: str = "llama", size: str = "small") -> Path:
     from kubeshard_shard.demo_model import cached_demo_model
 

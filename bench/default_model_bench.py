@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 
 import httpx
 import psutil
 
-from bench.common import RESULTS, kubeshard, machine, peak_rss_bytes, percentile, write_results
+from bench.common import kubeshard, machine, peak_rss_bytes, percentile, rerender, write_results
 from tests.support.servers import ROUTER_READY
 from tests.support.processes import start
 from tests.support.redis_server import free_port
@@ -110,8 +109,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite default-model.md from its .json")
     args = parser.parse_args()
     if args.render:
-        data = json.loads((RESULTS / "default-model.json").read_text())
-        write_results("default-model", data, render(data))
+        rerender("default-model", render)
         return
     load_before = os.getloadavg()[0]
     port = free_port()

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 
 import httpx
 import torch
 
-from bench.common import RESULTS, demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
-    percentile, self_peak_rss, write_results
+from bench.common import demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
+    percentile, rerender, self_peak_rss, write_results
 from tests.support.servers import ROUTER_READY
 from tests.support.processes import start
 from tests.support.redis_server import free_port
@@ -142,8 +141,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite engine.md from engine.json")
     args = parser.parse_args()
     if args.render:
-        data = json.loads((RESULTS / "engine.json").read_text())
-        write_results("engine", data, render(data, data.get("sequential", args.sequential)))
+        rerender("engine", lambda data: render(data, data.get("sequential", args.sequential)))
         return
     from transformers import AutoModelForCausalLM
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
@@ -24,7 +23,7 @@ import time
 import psutil
 import torch
 
-from bench.common import RESULTS, demo_model, machine, write_results
+from bench.common import demo_model, machine, rerender, write_results
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.engine.attention import KVCache
@@ -161,8 +160,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
     if args.render:
-        data = json.loads((RESULTS / "quantization.json").read_text())
-        write_results("quantization", data, render(data))
+        rerender("quantization", render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth()

@@ -15,14 +15,13 @@ so every configuration generates the very same tokens here and only the time dif
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import threading
 import time
 
 import requests
 
-from bench.common import RESULTS, machine, percentile, write_results
+from bench.common import machine, percentile, rerender, write_results
 from kubeshard_proto import pb
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from tests.support.shard_process import start_shard
@@ -151,8 +150,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite speculative.md from its .json")
     args = parser.parse_args()
     if args.render:
-        data = json.loads((RESULTS / "speculative.json").read_text())
-        write_results("speculative", data, render(data))
+        rerender("speculative", render)
         return
     from transformers import AutoTokenizer
 
