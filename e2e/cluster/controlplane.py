@@ -75,13 +75,22 @@ def _apiserver(c: ClusterConfig, pki: Pki) -> list[str]:
     ]
 
 
-def _controller_manager(c: ClusterConfig, pki: Pki) -> list[str]:
-    kc = c.component_kubeconfig("controller-manager")
+def _component(c: ClusterConfig, name: str, port: int) -> list[str]:
+    """What kube-controller-manager and kube-scheduler share: their binary, their
+    kubeconfig for the API and for delegated authn/authz, a loopback secure port, no
+    leader election (one of each)."""
+    kc = c.component_kubeconfig(name)
     return [
-        str(c.bin_dir / "kube-controller-manager"),
+        str(c.bin_dir / f"kube-{name}"),
         f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-        "--bind-address=127.0.0.1", f"--secure-port={c.controller_manager_port}",
-        "--leader-elect=false", "--controllers=*",
+        "--bind-address=127.0.0.1", f"--secure-port={port}", "--leader-elect=false", "--profiling=false",
+    ]
+
+
+def _controller_manager(c: ClusterConfig, pki: Pki) -> list[str]:
+    return [
+        *_component(c, "controller-manager", c.controller_manager_port),
+        "--controllers=*",
         # Each controller acts as its own service account, so RBAC is exercised as in a
         # real cluster.
         "--use-service-account-credentials=true",
@@ -98,18 +107,11 @@ def _controller_manager(c: ClusterConfig, pki: Pki) -> list[str]:
         "--configure-cloud-routes=false",
         "--horizontal-pod-autoscaler-sync-period=5s",
         "--node-monitor-period=5s",
-        "--profiling=false",
     ]
 
 
 def _scheduler(c: ClusterConfig) -> list[str]:
-    kc = c.component_kubeconfig("scheduler")
-    return [
-        str(c.bin_dir / "kube-scheduler"),
-        f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-        "--bind-address=127.0.0.1", f"--secure-port={c.scheduler_port}",
-        "--leader-elect=false", "--profiling=false",
-    ]
+    return _component(c, "scheduler", c.scheduler_port)
 
 
 def write_kubeconfigs(c: ClusterConfig, pki: Pki) -> None:
