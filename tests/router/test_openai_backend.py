@@ -31,6 +31,7 @@ from tests.support.servers import start_router
 from tests.support.engines import start_engine_info
 from tests.support.metrics import metric
 from tests.support.processes import Proc
+from tests.support.response_cache import assert_repeat_is_cached
 from tests.support.sse import sse
 from tests.support.waiting import wait_for
 
@@ -204,13 +205,7 @@ def test_a_client_that_goes_away_closes_the_engines_request(engine):
 def test_a_repeat_is_answered_from_the_redis_cache_without_the_engine(engine):
     body = {"inputs": f"Cached question for {engine.dialect}?", "parameters": {"max_new_tokens": 6}}
     seen = len(engine.fake.bodies)
-    first = httpx.post(engine.url + "/generate", json=body, timeout=30)
-    second = httpx.post(engine.url + "/generate", json=body, timeout=30)
-    assert first.status_code == second.status_code == 200
-    assert first.headers["x-kubeshard-cache"] == "miss" and second.headers["x-kubeshard-cache"] == "hit"
-    assert first.json() == second.json()
-    replay = sse(httpx.post(engine.url + "/generate_stream", json=body, timeout=30).text)
-    assert replay[-1]["generated_text"] == first.json()["generated_text"]
+    assert_repeat_is_cached(engine.url, body, timeout=30)
     assert len(engine.fake.bodies) == seen + 1  # only the first reached the engine
 
 

@@ -31,7 +31,7 @@ from tests.support.servers import start_router, start_shard
 from tests.support import engines
 from tests.support.metrics import metric
 from tests.support.processes import Proc
-from tests.support.sse import sse
+from tests.support.response_cache import assert_repeat_is_cached
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -201,13 +201,7 @@ def test_disconnect_frees_the_engine(served):
 
 def test_response_cache(served):
     body = {"inputs": "Why is the sky blue?", "parameters": {"max_new_tokens": 8}}
-    first = httpx.post(served.url + "/generate", json=body, timeout=300)
-    second = httpx.post(served.url + "/generate", json=body, timeout=300)
-    assert first.status_code == second.status_code == 200
-    assert first.headers["x-kubeshard-cache"] == "miss" and second.headers["x-kubeshard-cache"] == "hit"
-    assert first.json() == second.json()
-    replay = sse(httpx.post(served.url + "/generate_stream", json=body, timeout=300).text)
-    assert replay[-1]["generated_text"] == first.json()["generated_text"]
+    assert_repeat_is_cached(served.url, body, timeout=300)
 
 
 REFUSED = {  # a request field each engine cannot honour, and the words of its 422
