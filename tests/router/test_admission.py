@@ -47,12 +47,18 @@ async def test_try_acquire_takes_only_a_free_slot_nobody_queues_for():
     assert not a.try_acquire() and a.queued == 0
 
 
-async def test_full_queue_answers_429_with_retry_after():
-    a = Admission("m", max_queue=1, queue_timeout_s=5)
+async def one_slot_taken_and_one_waiter(max_queue: int = 5) -> tuple[Admission, asyncio.Task]:
+    """Model ``m`` with one slot, held, and a second request queued for it."""
+    a = Admission("m", max_queue=max_queue, queue_timeout_s=5)
     a.set_capacity(1)
     await a.acquire()
     waiter = asyncio.create_task(a.acquire())
     await asyncio.sleep(0.01)
+    return a, waiter
+
+
+async def test_full_queue_answers_429_with_retry_after():
+    a, waiter = await one_slot_taken_and_one_waiter(max_queue=1)
     with pytest.raises(Overloaded) as err:
         await a.acquire()
     assert err.value.status == 429
@@ -72,11 +78,7 @@ async def test_queue_timeout_answers_429():
 
 
 async def test_cancelled_waiter_leaves_the_queue_and_leaks_no_slot():
-    a = Admission("m", max_queue=5, queue_timeout_s=5)
-    a.set_capacity(1)
-    await a.acquire()
-    waiter = asyncio.create_task(a.acquire())
-    await asyncio.sleep(0.01)
+    a, waiter = await one_slot_taken_and_one_waiter()
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -87,11 +89,7 @@ async def test_cancelled_waiter_leaves_the_queue_and_leaks_no_slot():
 
 
 async def test_slot_handed_over_while_being_cancelled_is_returned():
-    a = Admission("m", max_queue=5, queue_timeout_s=5)
-    a.set_capacity(1)
-    await a.acquire()
-    waiter = asyncio.create_task(a.acquire())
-    await asyncio.sleep(0.01)
+    a, waiter = await one_slot_taken_and_one_waiter()
     a.release()       # hands the slot to the waiter...
     waiter.cancel()   # ...which is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
