@@ -54,34 +54,34 @@ def test_shard_command_line_carries_rendezvous_and_engine_limits():
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
+def model_pod(source: str) -> tuple[dict, dict, dict | None]:
+    """The shard pod of a spec serving ``source``: (pod spec, its model volume, the
+    container's mount of it)."""
+    pod = b.build_statefulset(make_spec(model={"source": source}), CFG, 0)["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    mount = next((m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"), None)
+    return pod, volume, mount
+
+
 def test_host_path_model_is_mounted_read_only():
-    spec = make_spec(model={"source": "file:///data/llama"})
-    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["model"]["hostPath"] == {"path": "/data/llama", "type": "Directory"}
-    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+    _, volume, mount = model_pod("file:///data/llama")
+    assert volume["hostPath"] == {"path": "/data/llama", "type": "Directory"}
     assert mount == {"name": "model", "mountPath": "/models/model", "readOnly": True}
 
 
 def test_a_gguf_file_on_the_host_is_mounted_as_a_file_and_served_from_it():
-    spec = make_spec(model={"source": "/data/SmolLM2-135M-Instruct.Q4_1.gguf"})
-    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["model"]["hostPath"] == {"path": "/data/SmolLM2-135M-Instruct.Q4_1.gguf", "type": "File"}
-    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+    pod, volume, mount = model_pod("/data/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert volume["hostPath"] == {"path": "/data/SmolLM2-135M-Instruct.Q4_1.gguf", "type": "File"}
     assert mount == {"name": "model", "mountPath": "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "readOnly": True}
     assert flag(pod["containers"][0]["args"], "--model") == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     # a GGUF file inside a claim is served from its path in the claim
-    spec = make_spec(model={"source": "pvc://weights/gguf/model.Q8_0.gguf"})
-    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    pod, _, _ = model_pod("pvc://weights/gguf/model.Q8_0.gguf")
     assert flag(pod["containers"][0]["args"], "--model") == "/models/pvc/gguf/model.Q8_0.gguf"
 
 
 def test_pvc_model_points_inside_the_claim():
-    spec = make_spec(model={"source": "pvc://weights/llama/7b"})
-    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    pod, volume, _ = model_pod("pvc://weights/llama/7b")
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
     assert flag(pod["containers"][0]["args"], "--model") == "/models/pvc/llama/7b"
 
 

@@ -36,15 +36,21 @@ def grants(objects: list[dict], account: str, namespace: str = "serving") -> set
     return out
 
 
-def test_the_metrics_server_binds_the_built_in_roles_of_delegated_auth_and_reads_little_else():
-    objects = rendered()
-    assert grants(objects, "t-kubeshard-metrics") == {
+def metrics_server_grants(where: str) -> set[tuple]:
+    """All the metrics server may do: delegated auth's built-in roles, reading
+    InferenceServices ``where`` (cluster-wide or one namespace), listing EndpointSlices."""
+    return {
         ("built-in", "ClusterRole", "system:auth-delegator", "cluster"),
         ("built-in", "Role", "extension-apiserver-authentication-reader", "kube-system"),
-        ("cluster", "kubeshard.io", "inferenceservices", "get"),
-        ("cluster", "kubeshard.io", "inferenceservices", "list"),
+        (where, "kubeshard.io", "inferenceservices", "get"),
+        (where, "kubeshard.io", "inferenceservices", "list"),
         ("serving", "discovery.k8s.io", "endpointslices", "list"),
     }
+
+
+def test_the_metrics_server_binds_the_built_in_roles_of_delegated_auth_and_reads_little_else():
+    objects = rendered()
+    assert grants(objects, "t-kubeshard-metrics") == metrics_server_grants("cluster")
     assert not [o for o in objects if o["kind"] in ("Role", "ClusterRole")
                 for rule in o["rules"] if "configmaps" in rule["resources"]]
     (reader,) = [o for o in objects if o["metadata"].get("namespace") == "kube-system"]
@@ -53,13 +59,7 @@ def test_the_metrics_server_binds_the_built_in_roles_of_delegated_auth_and_reads
 
 def test_watching_one_namespace_narrows_what_the_metrics_server_reads_there():
     objects = rendered("--set", "watchNamespace=models")
-    assert grants(objects, "t-kubeshard-metrics") == {
-        ("built-in", "ClusterRole", "system:auth-delegator", "cluster"),
-        ("built-in", "Role", "extension-apiserver-authentication-reader", "kube-system"),
-        ("models", "kubeshard.io", "inferenceservices", "get"),
-        ("models", "kubeshard.io", "inferenceservices", "list"),
-        ("serving", "discovery.k8s.io", "endpointslices", "list"),
-    }
+    assert grants(objects, "t-kubeshard-metrics") == metrics_server_grants("models")
 
 
 def test_without_the_metrics_server_nothing_lands_in_kube_system():

@@ -66,31 +66,29 @@ def test_info_carries_the_template_found_in_chat_template_jinja(model_copy):
     assert json.loads(tokenizer.tokenizer_config_json)["chat_template"] == JINJA
 
 
-def test_a_model_with_only_chat_template_jinja_serves_chat(model_copy):
-    (model_copy / "chat_template.jinja").write_text(_without_config_template(model_copy))
-    shard = start_shard(model_copy)
+def chat_through_router(model_dir: Path) -> httpx.Response:
+    """One chat request to a real router in front of a real shard serving ``model_dir``."""
+    shard = start_shard(model_dir)
     router = start_router("--backend", f"m={shard.address}", "--no-redis")
     try:
-        r = httpx.post(router.url + "/v1/chat/completions", timeout=60, json={
+        return httpx.post(router.url + "/v1/chat/completions", timeout=60, json={
             "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["choices"][0]["message"]["role"] == "assistant"
-        assert body["usage"]["completion_tokens"] >= 1
     finally:
         router.stop()
         shard.stop()
+
+
+def test_a_model_with_only_chat_template_jinja_serves_chat(model_copy):
+    (model_copy / "chat_template.jinja").write_text(_without_config_template(model_copy))
+    r = chat_through_router(model_copy)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] >= 1
 
 
 def test_a_model_without_any_template_says_where_it_looked(model_copy):
     _without_config_template(model_copy)
-    shard = start_shard(model_copy)
-    router = start_router("--backend", f"m={shard.address}", "--no-redis")
-    try:
-        r = httpx.post(router.url + "/v1/chat/completions", timeout=60, json={
-            "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]})
-        assert r.status_code == 422, r.text
-        assert "chat_template.jinja" in r.json()["error"]["message"]
-    finally:
-        router.stop()
-        shard.stop()
+    r = chat_through_router(model_copy)
+    assert r.status_code == 422, r.text
+    assert "chat_template.jinja" in r.json()["error"]["message"]
