@@ -19,7 +19,7 @@ from kubeshard_shard.models.config import CheckpointError
 from kubeshard_shard.models.gguf_checkpoint import QUANT_TYPES
 
 from tests.support.engine import build_engine, hf_model, random_prompts, run_to_completion
-from tests.shard_server.gguf_files import write_gguf
+from tests.support.gguf_files import write_gguf
 
 K_QUANTS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
