@@ -136,17 +136,15 @@ def _https_get(port: int, path: str, pki: Pki | None, timeout: float = 3.0) -> t
     else:
         ctx.load_verify_locations(pki.ca.cert)
         ctx.load_cert_chain(pki.clients["admin"].cert, pki.clients["admin"].key)
-    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode(errors="replace")
-    finally:
-        conn.close()
+    return _get(http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=timeout), path)
 
 
 def _http_get(port: int, path: str, timeout: float = 3.0) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    return _get(http.client.HTTPConnection("127.0.0.1", port, timeout=timeout), path)
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> tuple[int, str]:
+    """(status, body) of one GET on ``conn``, which it closes."""
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
