@@ -70,6 +70,12 @@ def write_results(name: str, data: dict, markdown: str) -> None:
     print(markdown)
 
 
+def md_table(header: list[str], rows) -> list[str]:
+    """A Markdown table's lines: the header, its rule, one line a row (cells as text)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def rerender(name: str, render) -> None:
     """A benchmark's ``--render``: rewrites ``results/<name>.md`` from its ``.json`` with
     ``render(data)``, running nothing."""

@@ -29,7 +29,7 @@ import grpc
 import orjson
 import psutil
 
-from bench.common import CACHE, RESULTS, percentile
+from bench.common import CACHE, RESULTS, md_table, percentile
 from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_proto import pb, pb_grpc
 from tests.support.processes import Proc, start
@@ -365,12 +365,11 @@ def render(results: dict) -> str:
         lines += ["### The router's own share", "",
                   "The same app with a stand-in replica client that hands over ready Token messages "
                   "(no gRPC): what the router's HTTP/SSE, validation, tokenization, balancing and "
-                  "bookkeeping cost by themselves, per request, at concurrency 1.", "",
-                  "| route | TTFT p50 | latency p50 | latency p99 | router CPU/req |", "|---|---|---|---|---|"]
-        for route in ("/generate_stream", "/generate"):
-            r = i[route]
-            lines.append(f"| `{route}` ({i['tokens_per_stream']} tokens) | {r['ttft_p50_ms']:.2f} ms | "
-                         f"{r['p50_ms']:.2f} ms | {r['p99_ms']:.2f} ms | {r['router_cpu_ms_per_request']:.2f} ms |")
+                  "bookkeeping cost by themselves, per request, at concurrency 1.", ""]
+        lines += md_table(["route", "TTFT p50", "latency p50", "latency p99", "router CPU/req"],
+                          [[f"`{route}` ({i['tokens_per_stream']} tokens)", f"{r['ttft_p50_ms']:.2f} ms",
+                            f"{r['p50_ms']:.2f} ms", f"{r['p99_ms']:.2f} ms", f"{r['router_cpu_ms_per_request']:.2f} ms"]
+                           for route, r in ((route, i[route]) for route in ("/generate_stream", "/generate"))])
         lines.append("")
     c = results.get("capacity")
     if c:
@@ -402,12 +401,11 @@ def render(results: dict) -> str:
                   f"{a['suffixes_per_prompt']} suffixes each, shuffled, {a['concurrency']} concurrent streams, "
                   f"{a['max_new_tokens']} new tokens; model {a['model']} on CPU; KV cache "
                   f"{a['kv_cache_per_replica']} per replica (the cache is under pressure, as in production). "
-                  "Hit rate from each engine's Stats (prefix-cache block hits / lookups) over the run.", "",
-                  "| balancing | prefix-cache hit rate | mean TTFT | p99 TTFT | errors |", "|---|---|---|---|---|"]
-        for mode in ("prefix", "round-robin"):
-            m = a[mode]
-            lines.append(f"| {mode} | {m['prefix_cache_hit_rate'] * 100:.1f}% | {m['mean_ttft_ms']:.1f} ms | "
-                         f"{m['p99_ttft_ms']:.1f} ms | {m['errors']} |")
+                  "Hit rate from each engine's Stats (prefix-cache block hits / lookups) over the run.", ""]
+        lines += md_table(["balancing", "prefix-cache hit rate", "mean TTFT", "p99 TTFT", "errors"],
+                          [[mode, f"{m['prefix_cache_hit_rate'] * 100:.1f}%", f"{m['mean_ttft_ms']:.1f} ms",
+                            f"{m['p99_ttft_ms']:.1f} ms", str(m["errors"])]
+                           for mode, m in ((mode, a[mode]) for mode in ("prefix", "round-robin"))])
         lines += ["", f"Hit rate ratio (affinity / round-robin): **{a['hit_rate_ratio']:.2f}x** (target >= 2x).", ""]
     return "\n".join(lines) + "\n"
 
