@@ -73,3 +73,65 @@ def test_no_lora_server_refuses_adapters(demo_model):
     served = build_engine(demo_model("llama"))
     with pytest.raises(RequestError, match="serves no LoRA adapters"):
         served.engine.check_adapter("a")
+
+
+def peft_delta(adapter: str, layer: int, modules: list[str], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """x's LoRA delta for one of our (possibly fused) layers, from the PEFT file itself."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+    scale = config["lora_alpha"] / config["r"]
+    parts = []
+    for module, size in zip(modules, sizes):
+        key = next((k for k in tensors if f"layers.{layer}." in k and f".{module}.lora_A" in k), None)
+        if key is None:
+            parts.append(torch.zeros(x.shape[0], size))
+            continue
+        a, b = tensors[key], tensors[key.replace("lora_A", "lora_B")]
+        parts.append(x @ a.t() @ b.t() * scale)
+    return torch.cat(parts, 1)
+
+
+def test_stacked_buffers_give_each_row_its_adapter_on_a_quantized_base(adapters):
+    """The masked path (rows of several adapters in any order, a loaded adapter between
+    them that no row uses, an unloaded slot), the single-adapter slice path and the
+    base-only path, on int8 base layers: each row gets exactly its adapter's delta."""
+    model_dir, paths = adapters
+    served = build_engine(model_dir, quantize="int8", enable_lora=True, max_loras=4)
+    lora, model = served.engine.runner.lora, served.engine.runner.model
+    for name, path in (("a", paths["a"]), ("gone", paths["b"]), ("b", paths["b"]), ("c", paths["a"])):
+        lora.add(load_adapter(name, path, model, torch.float32, torch.device("cpu"), 64))
+    lora.remove("gone")  # slot 2 empty: a=1, b=3, c=4 (the same weights as a)
+    assert (lora.slot_of, sorted(lora.packs["layers.1.self_attn.qkv_proj"].present)) == ({"a": 1, "b": 3, "c": 4},
+                                                                                          [1, 3, 4])
+    layers = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"], "self_attn.o_proj": ["o_proj"],
+              "mlp.gate_up_proj": ["gate_proj", "up_proj"], "mlp.down_proj": ["down_proj"]}
+    source = {1: paths["a"], 3: paths["b"], 4: paths["a"]}
+    g = torch.Generator().manual_seed(5)
+    patterns = [[0, 1, 3, 1, 0, 3, 3, 1],  # three adapters' rows interleaved: the mask
+                [0, 0, 3, 3, 3, 0],         # one adapter, one run: the slice path
+                [1, 1, 0, 1],               # one adapter, two runs: the mask over one slot
+                [4, 1, 4]]                  # a and c: two slots holding the same weights
+    for attr, modules in layers.items():
+        layer = model.model.layers[1].get_submodule(attr)
+        assert layer.base.weight.dtype == torch.int8 and type(layer.base.gemm).__name__ == "QuantGemm"
+        moved_rows = 0
+        for slots in patterns:
+            x = torch.randn(len(slots), layer.in_features, generator=g)
+            with torch.inference_mode():
+                lora.begin_step(None)
+                base = layer(x).clone()
+                lora.begin_step(slots)
+                got = layer(x.clone())
+            want = base.clone()
+            for row, slot in enumerate(slots):
+                if slot:
+                    want[row] += peft_delta(source[slot], 1, modules, x[row:row + 1], layer.sizes)[0]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{attr} rows {slots}")
+            moved_rows += int(((got - base).abs().amax(1) > 1e-3).sum())
+        assert moved_rows >= 6, attr  # the deltas are there (b adapts q, v and down only)
+    lora.begin_step(None)

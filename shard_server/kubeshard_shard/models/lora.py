@@ -1,19 +1,45 @@
 """Multi-LoRA: PEFT adapters applied per row of one batch.
 
 An adapter (a PEFT folder: ``adapter_config.json`` and ``adapter_model.safetensors`` or
-``.bin``) is loaded into a *slot*; slot 0 is the base model. ``enable_lora`` wraps each
-projection a LoRA may target (q, k, v, o, gate, up, down) in a ``LoraLinear``; our fused
-layers (q|k|v, gate|up) take each sub-projection's A stacked and its B block-diagonal,
-so one adapter costs one GEMM pair per fused layer: ``y += ((x Aᵀ) Bᵀ) · scale``.
+``.bin``) is loaded into a *slot* (1..--max-loras; slot 0 is the base model).
+``enable_lora`` wraps each projection a LoRA may target (q, k, v, o, gate, up, down) in
+a ``LoraLinear``; our fused layers (q|k|v, gate|up) have one *sub-projection* per part.
 
-Per step the runner orders the step's decode rows by adapter and hands the registry each
-token's slot (``begin_step``), which cuts them into runs of one adapter; every wrapped
-layer then adds each run's delta in place on its slice of the output (``addmm_``: no
-gather, no scatter), so requests for different adapters — and for the base model —
-share one batch and one base GEMM (the segmented approach of Punica/S-LoRA's SGMV, on
-contiguous rows). Rows of the base model cost nothing extra. A first version gathered
-and scattered rows by index: on this 2-core machine ``index_add_`` alone cost more than
-the base step (bench/results/api-run1.md).
+The adapters' weights live in one stacked buffer per wrapped layer (``LayerPack``),
+rebuilt off the engine thread whenever an adapter is loaded or unloaded and swapped in
+whole (the step in flight keeps the buffers it started with):
+
+- ``a``  [S, n_sub · R, in]: slot s's lora_A of every sub-projection, slot-major;
+- ``bt`` one [S, R, size_i] per sub-projection i: slot s's lora_Bᵀ with the scale in it;
+
+R is the largest rank loaded (smaller ranks are zero-padded), S the highest slot in use.
+Per step, ``begin_step`` takes each token's slot and builds one 0/1 mask [T, k] over the
+window of used slots lo..hi (k = hi - lo + 1; base rows are all zero). Every wrapped
+layer then costs a fixed number of ops whatever the number of adapters in the batch:
+
+    xa = x · A[lo..hi]ᵀ            one GEMM for every slot and sub-projection
+    xa ⊙ mask                       one multiply (for a fused layer it also lays xa out
+                                    sub-projection-major)
+    y[:, part_i] += xa_i · Bᵀ_i     one addmm_ per sub-projection, in place
+
+so requests for different adapters — and for the base model — share one batch and one
+base GEMM, with no gather and no scatter. On CPU the shrink goes through the float32
+kernel of ``engine/csrc`` when it is built (it streams A once and splits the columns over
+the threads; ``torch.mm`` runs such thin products on one thread). The k-fold arithmetic
+of the window costs little: decode is bound by reading weights, and every used
+adapter's weights are read once either way. When one adapter's rows are one contiguous
+run (the runner puts decode rows of one adapter side by side), the layer takes the
+single-adapter path: one GEMM on that slice and one addmm_ per sub-projection, no mask.
+The deltas never touch the base weight, so a quantized base layer (whose ``forward``
+calls its packed GEMM, ``models/quant.py``) is wrapped the same way.
+
+History: a first version gathered and scattered rows by index (``index_add_`` alone cost
+more than the base step, bench/results/api-run1.md); a second cut the batch into one run
+per adapter with two GEMMs per run and B block-diagonal over the fused sub-projections
+(bench/results/api-lora.md). Measured in-process at batch 16, four rank-16 adapters on
+all seven projections against the base engine (CPU time of one thread, so the shared
+machine's load does not enter): the demo model 1.33x -> 1.25x, SmolLM2-135M about
+1.2-1.3x both ways; the wrapped layers' own extra time fell by 15-20%.
 
 Sharding: adapters apply with the unsharded engine (one process per replica). A tensor
 or zero3 group refuses them at load time with a message saying so: their projections
@@ -53,8 +79,9 @@ class Adapter:
     alpha: float
     target_modules: list[str]
     digest: bytes  # content hash: the root of this adapter's prefix-cache block hashes
-    # layer key ("layers.3.self_attn.qkv_proj") -> (A [r_total, in], B [out, r_total]) with the scale in B
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # layer key ("layers.3.self_attn.qkv_proj") -> {sub-projection (0 for an unfused layer): (A [r, in],
+    # B [size, r] with the scale in it)}; handed to the registry's stacked buffers by ``add``, then dropped
+    weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def hash_root(self) -> int:
@@ -124,41 +151,77 @@ def load_adapter(name: str, source: str, model: nn.Module, dtype: torch.dtype, d
         wrapper = modules.get("model." + layer_key)
         if not isinstance(wrapper, LoraLinear):
             raise AdapterError(f"adapter {name!r}: the model has no LoRA-capable layer {layer_key}")
-        base = wrapper.base
-        sizes = getattr(base, "output_sizes", [base.out_features])
-        a_parts, b_full = [], torch.zeros(base.out_features, rank * len(parts), dtype=torch.float32)
-        offset_r = 0
-        for index, (a, b) in sorted(parts.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-            if a.shape[1] != base.in_features:
+        layer = adapter.weights[layer_key] = {}
+        for index, (a, b) in parts.items():
+            sub = index or 0
+            if a.shape[1] != wrapper.in_features:
                 raise AdapterError(f"adapter {name!r}: {layer_key} lora_A has {a.shape[1]} inputs, the model "
-                                   f"{base.in_features}; the adapter belongs to another model")
-            start = 0 if index is None else sum(sizes[:index])
-            size = base.out_features if index is None else sizes[index]
-            if b.shape != (size, a.shape[0]):
+                                   f"{wrapper.in_features}; the adapter belongs to another model")
+            if a.shape[0] != rank:
+                raise AdapterError(f"adapter {name!r}: {layer_key} has rank {a.shape[0]}, the config r {rank}; "
+                                   "per-module ranks (rank_pattern) are not supported")
+            if b.shape != (wrapper.sizes[sub], rank):
                 raise AdapterError(f"adapter {name!r}: {layer_key} lora_B has shape {tuple(b.shape)}, "
-                                   f"expected {(size, a.shape[0])}")
-            a_parts.append(a.float())
-            b_full[start:start + size, offset_r:offset_r + a.shape[0]] = b.float() * scale
-            offset_r += a.shape[0]
-        a_all = torch.cat(a_parts, 0)
-        adapter.weights[layer_key] = (a_all.to(device=device, dtype=dtype).contiguous(),
-                                      b_full[:, :offset_r].to(device=device, dtype=dtype).contiguous())
+                                   f"expected {(wrapper.sizes[sub], rank)}")
+            layer[sub] = (a.to(device=device, dtype=dtype).contiguous(),
+                          (b.float() * scale).to(device=device, dtype=dtype).contiguous())
     return adapter
 
 
+class LayerPack:
+    """One wrapped layer's adapters, stacked by slot (see the module docstring): ``a``
+    [S, n_sub · R, in], ``bt[i]`` [S, R, size_i], and the slots whose adapter adapts
+    this layer at all. Built whole and never written after; the views a step needs are
+    made once (per slot, and per window of slots when first used), since on CPU making
+    a view costs about as much as a small GEMM's dispatch."""
+
+    __slots__ = ("a", "bt", "present", "rank", "slot_views", "_windows")
+
+    def __init__(self, a: torch.Tensor, bt: list[torch.Tensor], present: frozenset[int], rank: int) -> None:
+        self.a, self.bt, self.present, self.rank = a, bt, present, rank
+        # slot -> (A [n_sub·R, in], [Bᵀ_i [R, size_i]])
+        self.slot_views = {s: (a[s - 1], [b[s - 1] for b in bt]) for s in present}
+        self._windows: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def window(self, lo: int, hi: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Slots lo..hi: (A [k·n_sub·R, in], [Bᵀ_i [k·R, size_i]])."""
+        views = self._windows.get((lo, hi))
+        if views is None:
+            views = (self.a[lo - 1:hi].view(-1, self.a.shape[-1]),
+                     [b[lo - 1:hi].reshape(-1, b.shape[-1]) for b in self.bt])
+            self._windows[(lo, hi)] = views
+        return views
+
+
 class StepLora:
-    """Runs of this step's rows that use one adapter: [(slot, start, end)], base rows left out."""
+    """This step's adapter rows: the used slots in order, each one's contiguous runs of
+    rows, the 0/1 mask [T, k] of each row over the window ``used[0]..used[-1]`` (k
+    slots) and the packs the step started with."""
 
-    __slots__ = ("runs",)
+    __slots__ = ("packs", "used", "runs", "mask", "_masks")
 
-    def __init__(self, runs: list[tuple[int, int, int]]) -> None:
-        self.runs = runs
+    def __init__(self, packs: dict[str, LayerPack], used: tuple[int, ...], runs: dict[int, list[tuple[int, int]]],
+                 mask: torch.Tensor) -> None:
+        self.packs, self.used, self.runs, self.mask = packs, used, runs, mask
+        self._masks: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def mask_for(self, lo: int, hi: int, n_sub: int) -> torch.Tensor:
+        """The mask of slots lo..hi, shaped to multiply xa: [T, k, 1] for an unfused
+        layer, [1, T, k, 1] for a fused one (made once per step)."""
+        m = self._masks.get((lo, hi, n_sub))
+        if m is None:
+            first = self.used[0]
+            m = self.mask[:, lo - first:hi - first + 1]
+            m = m[:, :, None] if n_sub == 1 else m[None, :, :, None]
+            self._masks[(lo, hi, n_sub)] = m
+        return m
 
 
 class AdapterRegistry:
-    """Loaded adapters by name and slot; the engine thread reads, loads happen off it."""
+    """Loaded adapters by name and slot, and each wrapped layer's stacked buffers; the
+    engine thread reads, loads happen off it."""
 
-    def __init__(self, max_loras: int, max_rank: int) -> None:
+    def __init__(self, max_loras: int, max_rank: int, kernels=None) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.by_name: dict[str, Adapter] = {}
@@ -166,8 +229,20 @@ class AdapterRegistry:
         self.slot_of: dict[str, int] = {}
         self.in_use: dict[str, int] = {}   # sequences using each adapter now (engine thread)
         self.closing: set[str] = set()
+        self.layers: dict[str, LoraLinear] = {}   # filled by enable_lora
+        self.packs: dict[str, LayerPack] = {}     # swapped whole on add/remove
         self.step: StepLora | None = None
         self._lock = threading.Lock()
+        # the CPU kernels' module (engine/csrc), when built: its float32 GEMM streams each
+        # adapter's A once and splits the columns over the threads, where torch.mm runs
+        # these thin products on one thread
+        self._gemm_f32 = getattr(kernels, "gemm_f32", None)
+
+    def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """x Aᵀ for A [n, in] (contiguous)."""
+        if self._gemm_f32 is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+            return self._gemm_f32(x, a, None)
+        return torch.mm(x, a.t())
 
     def names(self) -> list[str]:
         return sorted(self.by_name)
@@ -179,6 +254,8 @@ class AdapterRegistry:
             free = next((s for s in range(1, self.max_loras + 1) if s not in self.slots), None)
             if free is None:
                 raise AdapterError(f"{self.max_loras} adapters are loaded (--max-loras); unload one first")
+            self.packs = self._repacked({**self.slots, free: adapter}, adapter, free)
+            adapter.weights = {}  # now in the stacked buffers
             self.slots[free] = adapter
             self.slot_of[adapter.name] = free
             self.by_name[adapter.name] = adapter
@@ -194,7 +271,39 @@ class AdapterRegistry:
                 raise RuntimeError(f"adapter {name!r} is serving {self.in_use[name]} sequences")
             slot = self.slot_of.pop(name)
             del self.slots[slot], self.by_name[name]
+            self.packs = self._repacked(self.slots, None, 0)
             self.closing.discard(name)
+
+    def _repacked(self, slots: dict[int, Adapter], new: Adapter | None, new_slot: int) -> dict[str, LayerPack]:
+        """New stacked buffers for ``slots``: the kept slots copied from the current packs,
+        ``new`` (if any) written into ``new_slot`` from its own weights."""
+        if not slots:
+            return {}
+        count = max(slots)
+        rank = max(a.rank for a in slots.values())
+        packs = {}
+        for key, layer in self.layers.items():
+            old = self.packs.get(key)
+            present = {s for s in slots if old is not None and s in old.present}
+            new_parts = new.weights.get(key) if new is not None else None
+            if new_parts:
+                present.add(new_slot)
+            if not present:
+                continue
+            first = next(iter(new_parts.values()))[0] if new_parts else old.a
+            n_sub, like = len(layer.sizes), dict(dtype=first.dtype, device=first.device)
+            a = torch.zeros(count, n_sub, rank, layer.in_features, **like)
+            bt = [torch.zeros(count, rank, size, **like) for size in layer.sizes]
+            for s in present - {new_slot}:
+                r = min(old.rank, rank)
+                a[s - 1, :, :r] = old.a[s - 1].view(n_sub, old.rank, -1)[:, :r]
+                for i in range(n_sub):
+                    bt[i][s - 1, :r] = old.bt[i][s - 1, :r]
+            for i, (sub_a, sub_b) in (new_parts or {}).items():
+                a[new_slot - 1, i, :sub_a.shape[0]] = sub_a
+                bt[i][new_slot - 1, :sub_a.shape[0]] = sub_b.t()
+            packs[key] = LayerPack(a.view(count, n_sub * rank, -1), bt, frozenset(present), rank)
+        return packs
 
     def resolve(self, name: str) -> Adapter:
         adapter = self.by_name.get(name)
@@ -204,17 +313,28 @@ class AdapterRegistry:
         return adapter
 
     def begin_step(self, slots: list[int] | None) -> None:
-        """Cuts the step's token rows into runs of one adapter slot (None: all base model)."""
+        """Reads the step's token slots (None: all base model): the used slots, their
+        runs of contiguous rows, and the 0/1 mask of each row over the used window."""
+        self.step = None
         if not slots:
-            self.step = None
             return
-        runs, start = [], 0
+        runs: dict[int, list[tuple[int, int]]] = {}
+        start = 0
         for i in range(1, len(slots) + 1):
             if i == len(slots) or slots[i] != slots[start]:
                 if slots[start]:
-                    runs.append((slots[start], start, i))
+                    runs.setdefault(slots[start], []).append((start, i))
                 start = i
-        self.step = StepLora(runs) if runs else None
+        if not runs:
+            return
+        packs = self.packs
+        used = tuple(sorted(runs))
+        window = torch.arange(used[0], used[-1] + 1)
+        mask = torch.tensor(slots)[:, None] == window[None, :]
+        some = next(iter(packs.values()), None)
+        if some is not None:
+            mask = mask.to(dtype=some.a.dtype).to(some.a.device, non_blocking=True)
+        self.step = StepLora(packs, used, runs, mask)
 
 
 class LoraLinear(nn.Module):
@@ -225,19 +345,52 @@ class LoraLinear(nn.Module):
         self.base = base
         self.key = key
         self.registry = registry
+        self.in_features = base.in_features
+        self.sizes = list(getattr(base, "output_sizes", [base.out_features]))
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.registry.step
         if step is None:
             return y
-        for slot, start, end in step.runs:
-            adapter = self.registry.slots.get(slot)
-            weights = adapter.weights.get(self.key) if adapter is not None else None
-            if weights is None:
-                continue
-            a, b = weights
-            y[start:end].addmm_(torch.mm(x[start:end], a.t()), b.t())
+        pack = step.packs.get(self.key)
+        if pack is None:
+            return y
+        present = pack.present
+        used = [s for s in step.used if s in present]
+        if not used:
+            return y
+        lo, hi = used[0], used[-1]
+        runs = step.runs[lo]
+        if lo == hi and len(runs) == 1:  # one adapter, one slice of rows: no mask
+            start, end = runs[0]
+            a, bts = pack.slot_views[lo]
+            if end - start != x.shape[0]:
+                x, y_rows = x[start:end], y[start:end]
+            else:
+                y_rows = y
+            xa = self.registry.shrink(x, a)
+            if len(bts) == 1:
+                y_rows.addmm_(xa, bts[0])
+                return y
+            rank = pack.rank
+            for i, bt in enumerate(bts):
+                y_rows.narrow(1, self.offsets[i], self.sizes[i]).addmm_(xa.narrow(1, i * rank, rank), bt)
+            return y
+        a, bts = pack.window(lo, hi)
+        n_sub = len(bts)
+        mask = step.mask_for(lo, hi, n_sub)
+        xa = self.registry.shrink(x, a)   # [T, (k, n_sub, R)]
+        tokens, k, rank = xa.shape[0], hi - lo + 1, pack.rank
+        if n_sub == 1:
+            xa.view(tokens, k, rank).mul_(mask)
+            y.addmm_(xa, bts[0])
+            return y
+        xs = torch.empty(n_sub, tokens, k * rank, dtype=xa.dtype, device=xa.device)
+        torch.mul(xa.view(tokens, k, n_sub, rank).permute(2, 0, 1, 3), mask, out=xs.view(n_sub, tokens, k, rank))
+        for i, bt in enumerate(bts):
+            y.narrow(1, self.offsets[i], self.sizes[i]).addmm_(xs[i], bt)
         return y
 
 
@@ -249,4 +402,6 @@ def enable_lora(model: nn.Module, registry: AdapterRegistry) -> None:
             owner = getattr(layer, owner_name)
             base = getattr(owner, leaf)
             if not isinstance(base, LoraLinear):
-                setattr(owner, leaf, LoraLinear(base, f"layers.{i}.{attr}", registry))
+                base = LoraLinear(base, f"layers.{i}.{attr}", registry)
+                setattr(owner, leaf, base)
+            registry.layers[base.key] = base

@@ -127,7 +127,7 @@ def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute
     if not (config.enable_lora or config.lora_adapters):
         return None
     strategy.check_lora()
-    registry = AdapterRegistry(config.max_loras, config.max_lora_rank)
+    registry = AdapterRegistry(config.max_loras, config.max_lora_rank, compute.kernels)
     enable_lora(model, registry)
     for name, source in config.lora_adapters:
         adapter = load_adapter(name, source, model, compute.dtype, compute.device, config.max_lora_rank)
