@@ -12,6 +12,8 @@
 #                              folder to an ONNX model once; it needs a newer transformers
 #                              than the project's). The runtime itself is in-process in the
 #                              shard server (`kubeshard-shard[onnx]`, part of `make install`).
+#   hack/engines.sh guidellm   not an engine: the third-party load generator the peer
+#                              benchmark drives every server with (bench/peers_bench.py)
 #   hack/engines.sh --check NAME   exit 0 when NAME's environment is built and current
 #   hack/engines.sh --path NAME    print the environment's folder (built or not)
 #
@@ -30,9 +32,10 @@ LLAMACPP_VERSION=0.3.36
 VLLM_VERSION=0.32.0
 VLLM_TORCH_VERSION=2.13.0
 ONNX_GENAI_VERSION=0.18.0
+GUIDELLM_VERSION=0.8.1
 RECIPE=1
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 mode=build
 case "${1:-}" in
@@ -44,6 +47,7 @@ case "$name" in
   llamacpp) version="$LLAMACPP_VERSION" ;;
   vllm) version="$VLLM_VERSION" ;;
   onnx) version="$ONNX_GENAI_VERSION" ;;
+  guidellm) version="$GUIDELLM_VERSION" ;;
   *) usage ;;
 esac
 
@@ -127,6 +131,10 @@ case "$name" in
     pip install -q "torch==$VLLM_TORCH_VERSION" "onnxruntime-genai==$ONNX_GENAI_VERSION" onnx onnx-ir \
       "transformers>=5.16,<5.20" numpy
     "$py" -c "import onnxruntime_genai.models.builder" >&2
+    ;;
+  guidellm)
+    pip install -q "guidellm==$GUIDELLM_VERSION"
+    "$dest.partial/bin/guidellm" --help >/dev/null
     ;;
 esac
 

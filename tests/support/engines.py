@@ -58,12 +58,14 @@ def require(name: str) -> None:
 
 
 def start_peer(name: str, model: Path, model_id: str, max_total_tokens: int, threads: int = 2,
-               timeout: float = 900) -> tuple[Proc, str]:
-    """The engine's own server on a free port: (process, its base URL)."""
+               timeout: float = 900, extra_args: list[str] | None = None) -> tuple[Proc, str]:
+    """The engine's own server on a free port: (process, its base URL); ``extra_args``
+    go after the engine's usual command line."""
     runtime = PEERS[name]
     port = free_port()
     launch = Launch(model, model_id, "127.0.0.1", port, max_total_tokens, threads)
-    proc = start(f"{name} engine", runtime.command(launch), ENGINE_READY[name], timeout=timeout,
+    proc = start(f"{name} engine", runtime.command(launch) + list(extra_args or ()), ENGINE_READY[name],
+                 timeout=timeout,
                  env=runtime.env(launch), wait=False)
     if not proc.wait_ready(timeout):
         stop_engine(proc)
