@@ -280,12 +280,14 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "message")
+    __slots__ = ("serving", "message", "adapters")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     message: str
-    def __init__(self, serving: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, serving: _Optional[bool] = ..., message: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -8,10 +8,14 @@ name a key by its *name*, never its value. A key file is YAML::
         key: sk-alice-...
         rpm: 60          # optional: overrides --rate-limit-rpm for this key
         tpm: 100000      # optional: overrides --rate-limit-tpm
+      - name: ops
+        key: sk-ops-...
+        admin: true      # optional: may use the admin routes (/v1/load_lora_adapter, ...)
       - name: ci
         key: sk-ci-...
 
 or plain text, one key per line (``#`` comments; names are then ``key-<digest prefix>``).
+Only the YAML form can mark a key ``admin: true``.
 A Secret holds one key per data entry (the entry's name is the key's name), or an entry
 named ``keys.yaml`` in the YAML form above. Both sources are reloaded when they change.
 """
@@ -39,6 +43,7 @@ class ApiKey:
     name: str
     rpm: Optional[int] = None
     tpm: Optional[int] = None
+    admin: bool = False  # may use the admin routes (runtime LoRA loading)
 
 
 def _digest(key: str) -> bytes:
@@ -64,8 +69,11 @@ def parse_keys_yaml(text: str, where: str) -> dict[bytes, ApiKey]:
         if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not entry["key"]:
             raise ValueError(f"{where}: keys[{i}] needs a non-empty string `key`")
         name = entry.get("name") or f"key-{_digest(entry['key']).hex()[:8]}"
+        admin = entry.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where} keys[{i}]: `admin` must be true or false")
         keys[_digest(entry["key"])] = ApiKey(str(name), _limit(entry, "rpm", f"{where} keys[{i}]"),
-                                             _limit(entry, "tpm", f"{where} keys[{i}]"))
+                                             _limit(entry, "tpm", f"{where} keys[{i}]"), admin)
     return keys
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -57,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-keys-file", default=None, help="YAML or one-key-per-line file of API keys")
     g.add_argument("--api-keys-secret", default=None, metavar="NAMESPACE/NAME",
                    help="Kubernetes Secret holding API keys")
+    g.add_argument("--allow-runtime-lora", action="store_true",
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default; "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns it on); with API keys, only keys "
+                        "marked admin may call them; needs --lora-root")
+    g.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="absolute folder, as the shard pods see it, under which every runtime lora_path must lie")
     g.add_argument("--rate-limit-rpm", type=int, default=0, help="requests per minute per key (0: none)")
     g.add_argument("--rate-limit-tpm", type=int, default=0,
                    help="tokens (prompt + max new) per minute per key (0: none)")
@@ -103,6 +111,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         redis_url=None if args.no_redis else args.redis_url, redis_timeout_s=args.redis_timeout,
         redis_retry_s=args.redis_retry, cache_ttl_s=args.cache_ttl,
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
+        allow_runtime_lora=args.allow_runtime_lora, lora_root=args.lora_root,
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         max_queue_per_model=args.max_queue_per_model, queue_timeout_s=args.queue_timeout,
         activation_timeout_s=args.activation_timeout, connect_timeout_s=args.connect_timeout,

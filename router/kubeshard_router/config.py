@@ -43,6 +43,11 @@ class RouterConfig:
     api_keys_secret: Optional[str] = None  # "namespace/name"
     rate_limit_rpm: int = 0  # requests per minute per key; 0 = unlimited
     rate_limit_tpm: int = 0  # tokens (prompt + max new) per minute per key; 0 = unlimited
+    # Runtime LoRA loading (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off unless set; with API keys on, only admin keys.
+    # A load's lora_path must lie under lora_root (a folder as the shard pods see it).
+    allow_runtime_lora: bool = False
+    lora_root: Optional[str] = None
 
     # Backpressure and activation.
     max_queue_per_model: int = 1024
@@ -85,6 +90,11 @@ class RouterConfig:
             if self.default_model not in self.backends:
                 raise ValueError(f"default_model {self.default_model!r} is not one of the backends "
                                  f"({', '.join(sorted(self.backends))})")
+        if self.allow_runtime_lora and not self.lora_root:
+            raise ValueError("lora_root: --allow-runtime-lora needs --lora-root DIR, the folder (as the shard pods "
+                             "see it) under which every lora_path of /v1/load_lora_adapter must lie")
+        if self.lora_root is not None and not os.path.isabs(self.lora_root):
+            raise ValueError(f"lora_root must be an absolute path, got {self.lora_root!r}")
         if self.api_keys_secret is not None and self.api_keys_secret.count("/") != 1:
             raise ValueError(f"api_keys_secret must be NAMESPACE/NAME, got {self.api_keys_secret!r}")
         positive = {

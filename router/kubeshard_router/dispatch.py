@@ -93,9 +93,14 @@ class Dispatcher:
                     tried: list[Replica], ctx: RequestContext, errors: list[str]
                     ) -> tuple[Flight, pb.Token]:
         """A flight that produced its first token, on a replica not yet ``tried``."""
-        exhausted = 0
+        exhausted = missing = 0
         while len(tried) <= self.config.max_retries:
-            replica = self.balancer.pick(model.ready_replicas, key, exclude=tried)
+            # a LoRA request goes only where its adapter is loaded (replicas may differ)
+            replicas = model.replicas_for(request.adapter)
+            if not replicas and model.ready_replicas and not (tried or errors):
+                raise ValidationFailed(f"adapter `{request.adapter}` is not loaded on any ready replica of model "
+                                       f"`{model.name}`")
+            replica = self.balancer.pick(replicas, key, exclude=tried)
             if replica is None:
                 if tried or errors:
                     break
@@ -119,6 +124,14 @@ class Dispatcher:
                     raise ValidationFailed(f"`{field}`: {details}" if field else details, param=field) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted += 1
+                if code == grpc.StatusCode.NOT_FOUND and request.adapter:
+                    # the replica lacks the adapter its Info listed (it restarted between
+                    # probes): take it out until its probe loads the adapter again; try another
+                    missing += 1
+                    self.metrics.backend_errors.labels(model.name, code.name).inc()
+                    errors.append(f"{replica.address}: {exc.details()}")
+                    self.registry.report_failure(replica, exc.details() or "adapter not loaded")
+                    continue
                 errors.append(f"{replica.address}: {self._error(model, replica, exc)}")
                 if code not in RETRYABLE_CODES:
                     break
@@ -133,6 +146,9 @@ class Dispatcher:
             ctx.replica = replica.address
             ctx.first_token_at = time.perf_counter()
             return flight, first
+        if missing and missing == len(errors):
+            raise ValidationFailed(f"adapter `{request.adapter}` is not loaded on any replica of model "
+                                   f"`{model.name}` (" + "; ".join(errors) + ")")
         if exhausted and exhausted == len(errors):
             raise Overloaded(f"Model `{model.name}` is overloaded: every replica tried is at its "
                              f"request limit", retry_after_s=model.admission.retry_after_s())

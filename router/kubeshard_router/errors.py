@@ -78,6 +78,17 @@ class Unauthorized(RouterError):
                          code="invalid_api_key")
 
 
+class Forbidden(RouterError):
+    """The caller is known (or no keys are set) but may not do this: an admin route that is
+    off, or a key without the admin role."""
+    status = 403
+    error_type = "forbidden"
+    openai_type = "permission_error"
+
+    def __init__(self, message: str, *, code: str = "forbidden") -> None:
+        super().__init__(message, code=code)
+
+
 class ModelNotFound(RouterError):
     status = 404
     error_type = "not_found"

@@ -19,7 +19,7 @@ from kubeshard_router.openai_render import (FINISH, CompletionLogprobs, StopTrim
                                             chat_logprob, prompt_logprobs, stop_reason, trim_stop, usage)
 from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIPlan,
                                             plan_chat, plan_completion)
-from kubeshard_router.errors import NoBackend, ValidationFailed
+from kubeshard_router.errors import Forbidden, NoBackend, ValidationFailed
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
 from kubeshard_router.tools import ToolStream, parse_calls
 from kubeshard_router.validation import parse_body
@@ -34,6 +34,11 @@ def _fingerprint(model: ModelState) -> str:
     return f"kubeshard-{__version__}-{model.revision}"
 
 
+def _answered_by(model: ModelState, plan: OpenAIPlan) -> str:
+    """The response's ``model``: the LoRA adapter a request used, else the model (as vLLM)."""
+    return plan.engine.adapter or model.name
+
+
 class _Shapes:
     """Chunk and response builders for one request (chat or text completion)."""
 
@@ -42,7 +47,7 @@ class _Shapes:
         self.plan = plan
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + ctx.request_id,
                      "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": int(time.time()), "model": model.name,
+                     "created": int(time.time()), "model": _answered_by(model, plan),
                      "system_fingerprint": _fingerprint(model)}
         if plan.include_usage:
             self.base["usage"] = None
@@ -178,7 +183,7 @@ def _choice(chat: bool, plan: OpenAIPlan, tokens: list[pb.Token], index: int, fi
 
 def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPlan,
               tokens: list[pb.Token]) -> dict:
-    common = {"created": int(time.time()), "model": model.name,
+    common = {"created": int(time.time()), "model": _answered_by(model, plan),
               "system_fingerprint": _fingerprint(model),
               "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, tokens[-1].finish)}
     first = next(t for t in tokens if t.sequence == 0)
@@ -269,47 +274,54 @@ class LoadLoraRequest(BaseModel):
 
 
 async def _each_replica(model: ModelState, call) -> None:
-    """Runs ``call(client)`` on every ready replica of ``model``; a refusal becomes a 4xx."""
+    """Runs ``call(client)`` on every ready replica of ``model``; a refusal becomes a 4xx.
+    Replicas that had the adapter already (or, unloading, had it not) are passed over, so
+    a retried call converges; when every replica says so, the call is refused."""
     replicas = [r for r in model.ready_replicas if hasattr(r.client, "load_adapter")]
     if not replicas:
         raise NoBackend(f"model `{model.name}` has no ready replica that loads LoRA adapters")
-    errors = []
+    errors, converged = [], []
     for replica in replicas:
         try:
             await call(replica.client)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND) and len(replicas) > 1:
-                continue  # some replicas had it (or not) already: converge
-            errors.append((exc.code(), exc.details()))
-    if errors:
-        code, details = errors[0]
+            if exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND):
+                converged.append((exc.code(), exc.details()))
+            else:
+                errors.append((exc.code(), exc.details()))
+    if errors or len(converged) == len(replicas):
+        code, details = (errors or converged)[0]
+        if code == grpc.StatusCode.PERMISSION_DENIED:  # the replica's own --lora-root is unset
+            raise Forbidden(f"model `{model.name}`: {details}", code="runtime_lora_disabled")
         param = "lora_path" if code == grpc.StatusCode.INVALID_ARGUMENT else "lora_name"
         raise ValidationFailed(f"`{param}`: {details or code.name}", param=param)
-    for replica in replicas:  # the adapters in the model's Info change: read it again
+    for replica in replicas:  # the adapters in each replica's Info changed: read it again
         try:
-            await model.adopt_info(await replica.client.info())
-            replica.set_info(model.info)
+            info = await replica.client.info()
+            await model.adopt_info(info)
+            replica.set_info(info)
         except grpc.aio.AioRpcError:
             pass
 
 
-@router.post("/load_lora_adapter", summary="Load a LoRA adapter on every replica of a model (vLLM's route)")
+@router.post("/load_lora_adapter", summary="Load a LoRA adapter on every replica of a model (vLLM's route; admin)")
 async def load_lora_adapter(request: Request) -> Response:
     state = get_state(request)
-    state.intake.authenticate(request)
+    state.admin.authorize_runtime_lora(request)
     body = parse_body(await request.body(), LoadLoraRequest)
-    if not body.lora_path:
-        raise ValidationFailed("`lora_path` is required", param="lora_path")
+    path = state.admin.lora_path(body.lora_path)
     model = state.intake.resolve(body.model)
-    await _each_replica(model, lambda client: client.load_adapter(body.lora_name, body.lora_path))
+    await _each_replica(model, lambda client: client.load_adapter(body.lora_name, path))
+    model.runtime_adapters[body.lora_name] = path  # replicas that start later load it too
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
 
-@router.post("/unload_lora_adapter", summary="Unload a LoRA adapter from every replica of a model")
+@router.post("/unload_lora_adapter", summary="Unload a LoRA adapter from every replica of a model (admin)")
 async def unload_lora_adapter(request: Request) -> Response:
     state = get_state(request)
-    state.intake.authenticate(request)
+    state.admin.authorize_runtime_lora(request)
     body = parse_body(await request.body(), LoadLoraRequest)
     model = state.intake.resolve(body.model)
     await _each_replica(model, lambda client: client.unload_adapter(body.lora_name))
+    model.runtime_adapters.pop(body.lora_name, None)
     return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")

@@ -11,6 +11,7 @@ from typing import Iterable, Optional, Union
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from kubeshard_router.activation import Activator, LoggingScaleUpHook, ScaleUpHook
+from kubeshard_router.admin import AdminPolicy
 from kubeshard_router.auth import ApiKeys, KeyFileWatcher, SecretKeyWatcher
 from kubeshard_router.backends.registry import Registry
 from kubeshard_router.backends.source import BackendSource
@@ -76,6 +77,7 @@ class RouterState:
                 self._key_watchers.append(SecretKeyWatcher(namespace, name, self.api_keys))
         self.intake = Intake(config, self.registry, self.activator, self.generation, self.ratelimiter,
                              self.metrics, self.api_keys)
+        self.admin = AdminPolicy(config, self.api_keys)
         # The token of GET /internal/load (load_api.py); read once, a bad path fails start-up.
         self.load_token: Optional[str] = None
         if config.load_token_file:

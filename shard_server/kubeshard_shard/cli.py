@@ -80,7 +80,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-adapter", action="append", metavar="NAME=FOLDER",
                    help="a PEFT LoRA adapter to serve as NAME (repeatable; requests pick it by name)")
     g.add_argument("--enable-lora", action="store_true",
-                   help="allow loading LoRA adapters at run time (LoadAdapter; the router's /v1/load_lora_adapter)")
+                   help="apply LoRA adapters even with none given at start (runtime loads need --lora-root)")
+    g.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="allow loading LoRA adapters at run time (LoadAdapter; the router's /v1/load_lora_adapter) "
+                        "from folders under DIR only (symbolic links resolved); implies --enable-lora")
     g.add_argument("--max-loras", type=positive_int, default=8, help="LoRA adapters loaded at once")
     g.add_argument("--max-lora-rank", type=positive_int, default=64, help="largest LoRA rank accepted")
 

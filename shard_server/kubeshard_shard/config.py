@@ -203,6 +203,9 @@ class EngineConfig:
     # LoRA: adapters loaded at start ((name, folder) pairs), runtime loading, slots and rank
     lora_adapters: tuple[tuple[str, str], ...] = ()
     enable_lora: bool = False
+    # the folder runtime loads (LoadAdapter) must lie under, symbolic links resolved; None:
+    # runtime loads are refused (start-up adapters are not affected). Implies enable_lora.
+    lora_root: Path | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
 
@@ -242,6 +245,8 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+        if self.lora_root is not None and not (self.lora_root.is_absolute() and self.lora_root.is_dir()):
+            raise ValueError(f"--lora-root must be an absolute path to a folder; got '{self.lora_root}'")
 
     @classmethod
     def from_args(cls, args: Any, model_dir: Path | None = None, model_id: str | None = None) -> "EngineConfig":
@@ -272,6 +277,7 @@ class EngineConfig:
             speculative=SpeculativeConfig.from_args(args),
             lora_adapters=tuple(parse_lora_adapter(a) for a in getattr(args, "lora_adapter", None) or ()),
             enable_lora=getattr(args, "enable_lora", False),
+            lora_root=Path(args.lora_root) if getattr(args, "lora_root", None) else None,
             max_loras=getattr(args, "max_loras", 8),
             max_lora_rank=getattr(args, "max_lora_rank", 64),
         )
@@ -298,6 +304,8 @@ class EngineConfig:
             out += ["--lora-adapter", f"{name}={source}"]
         if self.enable_lora:
             out.append("--enable-lora")
+        if self.lora_root is not None:
+            out += ["--lora-root", str(self.lora_root)]
         out += ["--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
         return out + self.activations.to_flags() + self.speculative.to_flags()
 

@@ -135,3 +135,22 @@ def test_stacked_buffers_give_each_row_its_adapter_on_a_quantized_base(adapters)
             moved_rows += int(((got - base).abs().amax(1) > 1e-3).sum())
         assert moved_rows >= 6, attr  # the deltas are there (b adapts q, v and down only)
     lora.begin_step(None)
+
+
+def test_runtime_loads_need_a_root_and_stay_under_it(tmp_path):
+    """The shard's own check of a runtime load's folder (LoadAdapter): refused without
+    --lora-root, and a path that leaves the root, by '..' or by a symbolic link, is
+    refused naming the root."""
+    from kubeshard_shard.models.lora import AdapterRegistry, RuntimeLoadsOff
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    with pytest.raises(RuntimeLoadsOff, match="--lora-root DIR"):
+        AdapterRegistry(2, 8).runtime_source(str(root / "a"))
+    registry = AdapterRegistry(2, 8, runtime_root=root)
+    assert registry.runtime_source(str(root / "a")) == str((root / "a").resolve())
+    for path in (root / ".." / "outside", root / "link", outside):
+        with pytest.raises(AdapterError, match="is outside this server's --lora-root"):
+            registry.runtime_source(str(path))

@@ -36,7 +36,7 @@ class Replica:
     OpenAI-compatible port, that engine over HTTP.
     """
 
-    __slots__ = ("address", "model", "client", "generator", "outstanding", "ready", "info",
+    __slots__ = ("address", "model", "client", "generator", "outstanding", "ready", "info", "adapters",
                  "_probe", "_wake", "last_error")
 
     def __init__(self, address: str, model: "ModelState", client: ReplicaClient) -> None:
@@ -47,6 +47,7 @@ class Replica:
         self.outstanding = 0
         self.ready = False
         self.info: Optional[pb.InfoResponse] = None
+        self.adapters: frozenset[str] = frozenset()  # the LoRA adapters its Info lists
         self._probe: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
         self.last_error = ""
@@ -63,6 +64,7 @@ class Replica:
         """The Info this replica answered (again, when its adapters changed); ``generator``:
         what generates on it, when this Info decided that."""
         self.info = info
+        self.adapters = frozenset(a.name for a in info.adapters)
         if generator is not None:
             self.generator = generator
 
@@ -115,6 +117,9 @@ class ModelState:
         self.admission = Admission(name, max_queue=config.max_queue_per_model,
                                    queue_timeout_s=config.queue_timeout_s)
         self.load = LoadTracker()
+        # LoRA adapters loaded through this router at run time (name -> folder), loaded again
+        # on a replica that becomes ready without them (registry probe); kept in memory
+        self.runtime_adapters: dict[str, str] = {}
 
     @property
     def revision(self) -> str:
@@ -128,6 +133,12 @@ class ModelState:
         infos = [r.info for r in self.ready_replicas if r.info is not None] or \
             ([self.info] if self.info is not None else [])
         return {a.name: a for info in infos for a in info.adapters}
+
+    def replicas_for(self, adapter: Optional[str]) -> list[Replica]:
+        """The ready replicas that can serve a request for ``adapter`` (None or "": all)."""
+        if not adapter:
+            return self.ready_replicas
+        return [r for r in self.ready_replicas if adapter in r.adapters]
 
     @property
     def block_size(self) -> int:

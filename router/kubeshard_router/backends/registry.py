@@ -119,7 +119,8 @@ class Registry:
         interval = self.config.health_interval_s
         while not self._closing:
             try:
-                if replica.info is None:
+                fresh = replica.info is None
+                if fresh:
                     info = await replica.client.info()
                     await replica.model.adopt_info(info)
                     replica.set_info(info, self._generator(replica, info))
@@ -127,6 +128,10 @@ class Registry:
                              replica.model.name, replica.address, info.model_id, info.revision,
                              info.device_type, info.max_input_tokens, info.max_total_tokens)
                 health = await replica.client.health()
+                if health.serving and not replica.ready and (replica.model.runtime_adapters or not fresh):
+                    await self._refresh(replica, replay=True)  # it may have restarted: Info again, adapters replayed
+                elif health.serving and frozenset(health.adapters) != replica.adapters:
+                    await self._refresh(replica, replay=False)  # adapters changed (another router, a restart)
                 self._set_ready(replica, health.serving, health.message)
                 backoff = 0.1
                 wait = interval
@@ -143,6 +148,32 @@ class Registry:
                 log.exception("model %s: replica %s probe failed", replica.model.name, replica.address)
                 wait = interval
             await replica.probe_pause(wait)
+
+    async def _refresh(self, replica: Replica, replay: bool) -> None:
+        """Reads a replica's Info again; with ``replay`` (it is about to become ready), first
+        loads on it the adapters loaded through this router at run time that it lacks (it
+        started, or restarted, after the load). An adapter it refuses stays off it;
+        requests for that adapter then go to the replicas that have it."""
+        info = await replica.client.info()
+        have = {a.name for a in info.adapters}
+        loaded = False
+        for name, path in list(replica.model.runtime_adapters.items()) if replay else ():
+            if name in have or not hasattr(replica.client, "load_adapter"):
+                continue
+            try:
+                await replica.client.load_adapter(name, path)
+                loaded = True
+                log.info("model %s: replica %s: LoRA adapter %s loaded again from %s", replica.model.name,
+                         replica.address, name, path)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    continue
+                log.warning("model %s: replica %s refused LoRA adapter %s (%s): %s", replica.model.name,
+                            replica.address, name, path, exc.details())
+        if loaded:
+            info = await replica.client.info()
+        await replica.model.adopt_info(info)
+        replica.set_info(info)
 
     async def wait_info(self, names: Iterable[str]) -> None:
         """Waits until every replica of these models has answered Info."""

@@ -71,6 +71,10 @@ class AdapterError(ValueError):
     """An adapter that cannot be loaded or used; the message says why."""
 
 
+class RuntimeLoadsOff(Exception):
+    """This server loads no adapters at run time (no --lora-root)."""
+
+
 @dataclass
 class Adapter:
     name: str
@@ -221,9 +225,10 @@ class AdapterRegistry:
     """Loaded adapters by name and slot, and each wrapped layer's stacked buffers; the
     engine thread reads, loads happen off it."""
 
-    def __init__(self, max_loras: int, max_rank: int, kernels=None) -> None:
+    def __init__(self, max_loras: int, max_rank: int, kernels=None, runtime_root: Path | None = None) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.runtime_root = runtime_root  # --lora-root: runtime loads come from under it; None: refused
         self.by_name: dict[str, Adapter] = {}
         self.slots: dict[int, Adapter] = {}
         self.slot_of: dict[str, int] = {}
@@ -246,6 +251,19 @@ class AdapterRegistry:
 
     def names(self) -> list[str]:
         return sorted(self.by_name)
+
+    def runtime_source(self, source: str) -> str:
+        """The folder a runtime load (LoadAdapter) may read for ``source``: it must lie under
+        --lora-root once symbolic links are resolved. RuntimeLoadsOff when runtime loads
+        are off, AdapterError when the folder is outside the root."""
+        if self.runtime_root is None:
+            raise RuntimeLoadsOff("this server loads no LoRA adapters at run time: start it with --lora-root DIR "
+                                  "(the folder runtime loads must lie under)")
+        root = self.runtime_root.resolve()
+        path = Path(source).expanduser().resolve()
+        if not path.is_relative_to(root):
+            raise AdapterError(f"lora_path {source} is outside this server's --lora-root {root}")
+        return str(path)
 
     def add(self, adapter: Adapter) -> int:
         with self._lock:

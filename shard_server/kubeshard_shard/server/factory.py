@@ -124,10 +124,10 @@ def quantize_weights(config: EngineConfig, compute: Compute, model) -> None:
 
 def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute) -> AdapterRegistry | None:
     """The LoRA adapter registry (None when LoRA is off), with the start-up adapters loaded."""
-    if not (config.enable_lora or config.lora_adapters):
+    if not (config.enable_lora or config.lora_adapters or config.lora_root):
         return None
     strategy.check_lora()
-    registry = AdapterRegistry(config.max_loras, config.max_lora_rank, compute.kernels)
+    registry = AdapterRegistry(config.max_loras, config.max_lora_rank, compute.kernels, config.lora_root)
     enable_lora(model, registry)
     for name, source in config.lora_adapters:
         adapter = load_adapter(name, source, model, compute.dtype, compute.device, config.max_lora_rank)

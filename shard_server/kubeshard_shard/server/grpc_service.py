@@ -23,7 +23,7 @@ from kubeshard_shard.server.factory import ServedModel
 from kubeshard_shard.engine.llm_engine import EngineStats, TokenOutput
 from kubeshard_shard.engine.request import MAX_SEQUENCES, RequestError, check_prompt, make_sampling_params
 from kubeshard_shard.engine.sequence import FinishReason, GrammarSpec, SamplingParams
-from kubeshard_shard.models.lora import AdapterError, load_adapter
+from kubeshard_shard.models.lora import AdapterError, RuntimeLoadsOff, load_adapter
 from kubeshard_shard.server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,15 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             if self.served.check_request is not None:  # what this runtime cannot do
                 self.served.check_request(params)
             prompt = self._prompt(request, params)
+        except RequestError as exc:
+            self._count("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:  # NOT_FOUND: the router tries a replica that has the adapter (and reloads it here)
             self.served.engine.check_adapter(params.adapter)
+        except RequestError as exc:
+            self._count("invalid")
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        try:
             if params.grammar is not None:  # compiled (and cached) off the event loop; errors name the grammar
                 await asyncio.to_thread(self.served.engine.grammars.compile, params.grammar)
         except RequestError as exc:
@@ -257,19 +265,28 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.not_serving_reason)
         runner = self.served.engine.runner
         if runner.lora is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this server does not load LoRA adapters: start it with --enable-lora "
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "this server loads no LoRA adapters at run time: start it with --lora-root DIR "
                                 "(an unsharded replica)")
         if not request.name or not request.source:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter needs a name and a source folder")
         if request.name in runner.lora.by_name:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"adapter {request.name!r} is already loaded")
+        lora = runner.lora
         try:
-            adapter = await asyncio.to_thread(load_adapter, request.name, request.source, runner.model,
-                                              self.served.dtype, self.served.device, runner.lora.max_rank)
-            runner.lora.add(adapter)
+            source = lora.runtime_source(request.source)
+
+            def load():  # off the event loop: reading the files and restacking the buffers take a while
+                adapter = load_adapter(request.name, source, runner.model, self.served.dtype, self.served.device,
+                                       lora.max_rank)
+                lora.add(adapter)
+                return adapter
+
+            adapter = await asyncio.to_thread(load)
         except FileExistsError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except RuntimeLoadsOff as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except (AdapterError, OSError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.source, adapter.rank)
@@ -289,7 +306,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     async def Health(self, request, context):
         ok, reason = self.serving()
-        return pb.HealthResponse(serving=ok, message=reason)
+        return pb.HealthResponse(serving=ok, message=reason, adapters=[a.name for a in self._adapters()])
 
     async def Stats(self, request, context):
         if self.engine is None:
