@@ -108,8 +108,8 @@ def smol_folder():
     return local_checkpoint(default_model_file())
 
 
-@pytest.mark.slow
-def test_constrained_outputs_validate_on_the_default_model():
+@functools.cache
+def smol_engine_and_prompts():
     served = build_engine(smol_folder(), max_total_tokens=512, kv="128MiB")
     tok = served.tokenizer
     config = json.loads((smol_folder() / "tokenizer_config.json").read_text())
@@ -120,4 +120,24 @@ def test_constrained_outputs_validate_on_the_default_model():
                  "List two points."]
     prompts = [tok.encode(template.render(messages=[{"role": "user", "content": q}], add_generation_prompt=True),
                           add_special_tokens=False) for q in questions]
-    check_all(served, prompts)
+    return served, prompts
+
+
+@pytest.mark.slow
+def test_constrained_outputs_validate_on_the_default_model():
+    check_all(*smol_engine_and_prompts())
+
+
+@pytest.mark.slow
+def test_constrained_requests_alone_validate_on_the_default_model():
+    """Each schema (and the regex and the choice) as the only request in the engine, greedy:
+    the 49k-token vocabulary's masks with nothing else in the batch."""
+    served, prompts = smol_engine_and_prompts()
+    for i, schema in enumerate(SCHEMAS):
+        [outs] = run_to_completion(served.engine, [(prompts[i], params(schema_spec(schema)))])
+        assert outs[-1].finish.reason is FinishReason.EOS_TOKEN, text(served, outs)
+        jsonschema.validate(json.loads(text(served, outs)), schema)
+    [outs] = run_to_completion(served.engine, [(prompts[0], params(GrammarSpec("regex", REGEX)))])
+    assert re.fullmatch(REGEX, text(served, outs)), text(served, outs)
+    [outs] = run_to_completion(served.engine, [(prompts[2], params(GrammarSpec("choice", json.dumps(CHOICES))))])
+    assert text(served, outs) in CHOICES
