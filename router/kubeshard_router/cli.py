@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from kubeshard_router.balancer import MODES
 from kubeshard_router.config import RouterConfig, parse_backend_flag
+from kubeshard_router.tool_formats import PARSERS as TOOL_CALL_PARSERS
 
 log = logging.getLogger("kubeshard.router")
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default; "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns it on); with API keys, only keys "
                         "marked admin may call them; needs --lora-root")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                   help="how models write tool calls (vLLM's flag): auto reads each model's chat template "
+                        "(<tool_call>: hermes, <|python_tag|>: llama3_json, [TOOL_CALLS]: mistral; else hermes)")
     g.add_argument("--lora-root", default=None, metavar="DIR",
                    help="absolute folder, as the shard pods see it, under which every runtime lora_path must lie")
     g.add_argument("--rate-limit-rpm", type=int, default=0, help="requests per minute per key (0: none)")
@@ -112,6 +116,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         redis_retry_s=args.redis_retry, cache_ttl_s=args.cache_ttl,
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
         allow_runtime_lora=args.allow_runtime_lora, lora_root=args.lora_root,
+        tool_call_parser=args.tool_call_parser,
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         max_queue_per_model=args.max_queue_per_model, queue_timeout_s=args.queue_timeout,
         activation_timeout_s=args.activation_timeout, connect_timeout_s=args.connect_timeout,

@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kubeshard_router.tool_formats import PARSERS as TOOL_CALL_PARSERS
+
 
 def _default_router_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -48,6 +50,9 @@ class RouterConfig:
     # A load's lora_path must lie under lora_root (a folder as the shard pods see it).
     allow_runtime_lora: bool = False
     lora_root: Optional[str] = None
+    # How models write tool calls (vLLM's --tool-call-parser): auto (each model's chat
+    # template says: <tool_call>, <|python_tag|>, [TOOL_CALLS]), hermes, llama3_json, mistral
+    tool_call_parser: str = "auto"
 
     # Backpressure and activation.
     max_queue_per_model: int = 1024
@@ -90,6 +95,9 @@ class RouterConfig:
             if self.default_model not in self.backends:
                 raise ValueError(f"default_model {self.default_model!r} is not one of the backends "
                                  f"({', '.join(sorted(self.backends))})")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.allow_runtime_lora and not self.lora_root:
             raise ValueError("lora_root: --allow-runtime-lora needs --lora-root DIR, the folder (as the shard pods "
                              "see it) under which every lora_path of /v1/load_lora_adapter must lie")

@@ -21,6 +21,7 @@ from kubeshard_router.openai_schema import (ChatCompletionRequest, CompletionReq
                                             plan_chat, plan_completion)
 from kubeshard_router.errors import Forbidden, NoBackend, ValidationFailed
 from kubeshard_router.sse import SSE_DONE, EventStreamResponse, sse_event
+from kubeshard_router.tool_formats import FORMATS
 from kubeshard_router.tools import ToolStream, parse_calls
 from kubeshard_router.validation import parse_body
 
@@ -85,7 +86,9 @@ class _Shapes:
 
 
 def _text(t: pb.Token, plan: OpenAIPlan) -> str:
-    return "" if t.special and plan.skip_special_tokens else t.text
+    if t.special and plan.skip_special_tokens and t.text not in plan.special_kept:
+        return ""
+    return t.text
 
 
 async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: OpenAIPlan, ctx: RequestContext,
@@ -106,14 +109,15 @@ async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: Open
         before = stream.calls
         text, done = stream.feed(emit)
         if final:
-            text += stream.finish()
+            rest, late = stream.finish()
+            text, done = text + rest, done + late
         return text, shapes.tool_chunk(done, before, i) if done else b""
     async for t in tokens:
         i = t.sequence
         out = b""
         if i not in trimmers:
             trimmers[i], texts[i] = StopTrimmer(plan.stop, plan.keep_stop), ""
-            calls[i] = ToolStream(f"call_{ctx.request_id[:16]}-{i}")
+            calls[i] = ToolStream(f"call_{ctx.request_id[:16]}-{i}", plan.tools.format if parse else FORMATS["hermes"])
             extra = ({"prompt_logprobs": prompt_logprobs(t)} if plan.prompt_logprobs is not None and i == 0
                      and t.prefill else None)
             if chat:
@@ -162,7 +166,7 @@ def _choice(chat: bool, plan: OpenAIPlan, tokens: list[pb.Token], index: int, fi
         logprobs = ({"content": [chat_logprob(t) for t in tokens]} if plan.logprobs is not None else None)
         message: dict = {"role": "assistant", "content": text}
         if plan.tools is not None and plan.tools.parses:
-            message["content"], calls = parse_calls(text, f"{call_id}-{index}")
+            message["content"], calls = parse_calls(text, f"{call_id}-{index}", plan.tools.format)
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls"

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kubeshard_router.engine_request import EngineRequest, GrammarRequest
 from kubeshard_router.errors import ValidationFailed
 from kubeshard_router.tokenization import ChatTemplateError, ModelTokenizer
+from kubeshard_router.tool_formats import FORMATS, ToolFormat
 from kubeshard_router.tools import (ToolPlan, call_text, parse_tools, template_renders_tools, tool_grammar,
                                     with_tool_prompt)
 from kubeshard_router.validation import (UINT32_MAX, UINT64_MAX, Limits, RequestBody, check_budget,
@@ -153,6 +154,8 @@ class OpenAIPlan:
     keep_stop: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     prompt_logprobs: Optional[int] = None
+    # special tokens whose text stays even when skipped: the tool-call format's markers
+    special_kept: frozenset[str] = frozenset()
 
 
 def _grammar(req: "_Common") -> Optional[GrammarRequest]:
@@ -376,7 +379,8 @@ def plan_completion(req: CompletionRequest, tokenizer: ModelTokenizer, limits: L
     return _plan(req, engine, len(ids), text, logprobs, req.echo, n)
 
 
-def _message_dicts(messages: list[ChatMessage], template_source: str = "") -> list[dict[str, Any]]:
+def _message_dicts(messages: list[ChatMessage], template_source: str = "",
+                   fmt: ToolFormat = FORMATS["hermes"]) -> list[dict[str, Any]]:
     if not messages:
         raise ValidationFailed("`messages` must not be empty", param="messages")
     out: list[dict[str, Any]] = []
@@ -405,7 +409,7 @@ def _message_dicts(messages: list[ChatMessage], template_source: str = "") -> li
                 entry["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": c["function"]}
                                        for c in calls]
             else:
-                entry["content"] = "\n".join([content or ""] + [call_text(c["function"]["name"],
+                entry["content"] = "\n".join([content or ""] + [call_text(fmt, c["function"]["name"],
                                                                             c["function"]["arguments"])
                                                                   for c in calls]).strip()
         if m.name is not None:
@@ -434,6 +438,9 @@ def _tool_calls(calls: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
 
 def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Limits) -> OpenAIPlan:
     tools = parse_tools(req.tools, req.tool_choice)
+    fmt = tokenizer.tool_format
+    if tools is not None:
+        tools.format = fmt
     n, sequences = _sequences(req, None, limits)
     top_logprobs = req.top_logprobs
     if top_logprobs is not None:
@@ -444,7 +451,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
                                    f"Given: {top_logprobs}", param="top_logprobs")
     params = _common(req, limits)
     source = tokenizer.template_source
-    messages = _message_dicts(req.messages, source)
+    messages = _message_dicts(req.messages, source, fmt)
     tool_dicts = None
     if tools is not None:
         grammar = tool_grammar(tools)
@@ -455,7 +462,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
         if template_renders_tools(source):
             tool_dicts = [f.as_tool() for f in tools.functions]
         else:
-            messages = with_tool_prompt(messages, tools.functions)
+            messages = with_tool_prompt(messages, tools.functions, fmt)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tool_dicts)
     except ChatTemplateError as exc:
@@ -472,6 +479,8 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
                            min_new_tokens=_min_tokens(req, max_new), n=sequences, **params)
     plan = _plan(req, engine, len(ids), text, logprobs, False, n)
     plan.tools = tools
+    if tools is not None and tools.parses:
+        plan.special_kept = fmt.markers
     plan.tgi_shapes = req.model == "tgi"
     return plan
 

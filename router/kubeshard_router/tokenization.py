@@ -19,6 +19,8 @@ import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from kubeshard_router.tool_formats import ToolFormat, choose as choose_tool_format
+
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
 
@@ -73,7 +75,8 @@ def _pick_template(raw: Any) -> Optional[str]:
 
 
 class ModelTokenizer:
-    def __init__(self, tokenizer_json: bytes, tokenizer_config_json: bytes = b"") -> None:
+    def __init__(self, tokenizer_json: bytes, tokenizer_config_json: bytes = b"",
+                 tool_call_parser: str = "auto") -> None:
         if not tokenizer_json:
             raise ValueError("tokenizer_json is empty: the leader's Info carries no tokenizer")
         self._tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
@@ -92,6 +95,8 @@ class ModelTokenizer:
         source = _pick_template(config.get("chat_template"))
         self._template: Optional[jinja2.Template] = None
         self.template_source: str = source or ""
+        # how this model writes tool calls (the router's --tool-call-parser, or its template's)
+        self.tool_format: ToolFormat = choose_tool_format(tool_call_parser, self.template_source)
         if source:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True,

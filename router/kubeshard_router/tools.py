@@ -1,13 +1,14 @@
 """Tool calls: OpenAI's ``tools``/``tool_choice`` (and TGI's, which is the same route),
 rendered through the model's chat template, enforced by the grammar, parsed back.
 
-The model writes each call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
-(the Hermes format that Qwen2.5, Hermes and many other templates use). A template that
-renders ``tools`` itself gets them; for one that does not (the demo models', SmolLM2's),
-a system message lists them and shows that format. The grammar is an xgrammar
-structural tag whose tags are the tools, each call's arguments held to its JSON schema:
+The model writes each call in its *format* (``tool_formats``: Hermes ``<tool_call>``,
+Llama 3's JSON, Mistral's ``[TOOL_CALLS]``), picked per model from its chat template or
+the router's ``--tool-call-parser``. A template that renders ``tools`` itself gets them;
+for one that does not (the demo models', SmolLM2's), a system message lists them and
+shows the format. The grammar is an xgrammar structural tag whose tags are the tools,
+each call's arguments held to its JSON schema:
 
-- ``auto``: free text, and every ``<tool_call>`` the model opens is a valid call;
+- ``auto``: free text, and every call the model opens is a valid call;
 - ``required``: one or more calls and nothing else;
 - a named function: exactly one call of that function;
 - ``none``: no grammar, the text is the answer.
@@ -25,15 +26,7 @@ from typing import Any, Optional
 
 from kubeshard_router.engine_request import GrammarRequest
 from kubeshard_router.errors import ValidationFailed
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
-
-TOOL_PROMPT = (
-    "You can call functions (tools) to answer. To call one, reply with\n"
-    f"{OPEN}\n{{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}}\n{CLOSE}\n"
-    "once per call. The functions:\n{tools}"
-)
+from kubeshard_router.tool_formats import FORMATS, ToolFormat
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +48,7 @@ class ToolPlan:
     choice: str                 # auto | required | none | function
     function: Optional[str] = None  # the named function
     calls: list[dict] = field(default_factory=list)
+    format: ToolFormat = FORMATS["hermes"]  # how the model writes a call (its tokenizer's)
 
     @property
     def parses(self) -> bool:
@@ -103,108 +97,97 @@ def template_renders_tools(source: Optional[str]) -> bool:
     return bool(source) and "tools" in source
 
 
-def tool_system_prompt(functions: list[Function]) -> str:
-    return TOOL_PROMPT.replace("{tools}", "\n".join(json.dumps(f.as_tool()["function"]) for f in functions))
+def tool_system_prompt(functions: list[Function], fmt: ToolFormat) -> str:
+    listed = "\n".join(json.dumps(f.as_tool()["function"]) for f in functions)
+    return f"{fmt.instructions()}\nThe functions:\n{listed}"
 
 
-def with_tool_prompt(messages: list[dict], functions: list[Function]) -> list[dict]:
+def with_tool_prompt(messages: list[dict], functions: list[Function], fmt: ToolFormat) -> list[dict]:
     """The conversation with the tools described in its system message (for templates
     that do not render ``tools``)."""
-    prompt = tool_system_prompt(functions)
+    prompt = tool_system_prompt(functions, fmt)
     if messages and messages[0]["role"] == "system":
         first = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
         return [first, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
 
 
-def call_text(name: str, arguments: Any) -> str:
+def call_text(fmt: ToolFormat, name: str, arguments: Any) -> str:
     """A call as the model writes it (for earlier assistant turns)."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             pass
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE}"
-
-
-def _tag(f: Function) -> dict:
-    return {"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(f.name)}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": f.parameters}, "end": f"}}\n{CLOSE}"}
+    return fmt.call_text(name, arguments)
 
 
 def tool_grammar(plan: ToolPlan) -> Optional[GrammarRequest]:
     if plan.choice == "none":
         return None
+    fmt = plan.format
+    tags = [fmt.tag(f.name, f.parameters) for f in plan.functions
+            if plan.choice != "function" or f.name == plan.function]
     if plan.choice == "auto":
-        fmt = {"type": "triggered_tags", "triggers": [OPEN], "tags": [_tag(f) for f in plan.functions]}
-    elif plan.choice == "required":
-        fmt = {"type": "tags_with_separator", "tags": [_tag(f) for f in plan.functions], "separator": "\n",
-               "at_least_one": True}
+        body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags}
     else:
-        fmt = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True, "stop_after_first": True,
-               "tags": [_tag(f) for f in plan.functions if f.name == plan.function]}
-    return GrammarRequest("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tools")
+        body = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator, "at_least_one": True}
+        if plan.choice == "function":
+            body["stop_after_first"] = True
+    return GrammarRequest("structural_tag", json.dumps({"type": "structural_tag", "format": body}), "tools")
 
 
-def _call(body: str, index: int, call_id: str) -> Optional[dict]:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+def _as_openai(call: dict, index: int, call_id: str) -> dict:
     return {"id": f"{call_id}-{index}", "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(arguments)}}
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
 
-def parse_calls(text: str, call_id: str) -> tuple[Optional[str], list[dict]]:
+def parse_calls(text: str, call_id: str, fmt: ToolFormat = FORMATS["hermes"]) -> tuple[Optional[str], list[dict]]:
     """(content, tool_calls) of a whole answer: the text outside the calls, or None."""
-    calls = []
-    for m in _CALL.finditer(text):
-        call = _call(m.group(1), len(calls), call_id)
-        if call is not None:
-            calls.append(call)
+    stream = ToolStream(call_id, fmt)
+    content, calls = stream.feed(text)
+    rest, late = stream.finish()
+    content, calls = content + rest, calls + late
     if not calls:
         return text, []
-    content = _CALL.sub("", text).strip()
-    return content or None, calls
+    return content.strip() or None, calls
 
 
 class ToolStream:
     """Streamed text in, (content delta, finished calls) out."""
 
-    def __init__(self, call_id: str) -> None:
+    def __init__(self, call_id: str, fmt: ToolFormat = FORMATS["hermes"]) -> None:
         self.call_id = call_id
+        self.format = fmt
         self.buffer = ""
         self.calls = 0
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.buffer += text
         content, calls = "", []
         while True:
-            start = self.buffer.find(OPEN)
+            start = self.format.open_at(self.buffer)
             if start < 0:
-                # hold back a tail that could be the start of "<tool_call>"
-                hold = next((k for k in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
-                             if OPEN.startswith(self.buffer[-k:])), 0)
+                hold = 0 if final else self.format.held(self.buffer)  # could begin an opening
                 cut = len(self.buffer) - hold
                 content += self.buffer[:cut]
                 self.buffer = self.buffer[cut:]
                 return content, calls
             content += self.buffer[:start]
             self.buffer = self.buffer[start:]
-            end = self.buffer.find(CLOSE)
-            if end < 0:
+            taken = self.format.take(self.buffer, final)
+            if taken is None:  # the call is not closed yet
                 return content, calls
-            call = _call(self.buffer[len(OPEN):end].strip(), self.calls, self.call_id)
-            if call is not None:
-                calls.append(call)
+            found, used = taken
+            for call in found:
+                calls.append(_as_openai(call, self.calls, self.call_id))
                 self.calls += 1
-            else:
-                content += self.buffer[:end + len(CLOSE)]
-            self.buffer = self.buffer[end + len(CLOSE):]
+            if not found:  # not a call after all: it stays text
+                content += self.buffer[:used]
+            self.buffer = self.buffer[used:]
 
-    def finish(self) -> str:
-        rest, self.buffer = self.buffer, ""
-        return rest
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is still held once the answer ended: a call that never closed is text."""
+        content, calls = self.feed("", final=True)
+        rest, self.buffer = content + self.buffer, ""
+        return rest, calls

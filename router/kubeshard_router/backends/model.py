@@ -163,7 +163,8 @@ class ModelState:
                     [a.name for a in info.adapters] != [a.name for a in self.info.adapters]:
                 self.info = info
             return
-        tokenizer = await asyncio.to_thread(ModelTokenizer, info.tokenizer_json, info.tokenizer_config_json)
+        tokenizer = await asyncio.to_thread(ModelTokenizer, info.tokenizer_json, info.tokenizer_config_json,
+                                            self._config.tool_call_parser)
         if self.tokenizer is not None and digest != self._tokenizer_digest:  # (not a twin built meanwhile)
             log.warning("model %s: replica serves a different tokenizer (revision %s); switching to it",
                         self.name, info.revision)
