@@ -1,24 +1,31 @@
 """Structured output and multi-LoRA cost, measured side by side in one run.
 
-(1) Constrained decoding: 16 requests decoding at once, all free text or all under a JSON
-    schema (xgrammar masks in the batched sampler); time per output token over decode
-    steps where all 16 are running. Target: constrained <= 1.10x free.
+(1) Constrained decoding: 16 requests decoding at once, all free text (``ignore_eos``) or
+    all under a JSON schema (xgrammar masks in the batched sampler). The schema asks for
+    at least 512 items, so no constrained request can close its JSON (and stop) before
+    ``--tokens``: both sides time the same decode steps, at the same context lengths.
+    Figure: time per decode step with all 16 running. Target: constrained <= 1.10x free.
 (2) Multi-LoRA: 16 requests on the base model of an engine without LoRA, against 16
     requests spread over 4 rank-16 adapters (all seven projections) in one batch; time per
     decode step with all 16 running. Target: <= 1.3x. The LoRA engine serving only base
     requests is shown too (the wrappers' own cost).
 
-Each pair alternates over several rounds after a warm-up (the VM drifts between runs);
-medians are reported. Models: the `small` demo model (~32M) and, when its conversion is
-cached, the default SmolLM2-135M-Instruct.
+Each pair alternates over ``--rounds`` rounds after a warm-up; a round's figure is the
+median of its full-batch steps. The table gives the median round, the spread (min-max
+over rounds) and the ratio of medians; the load average before and after the run is
+recorded, since on a shared machine the spread, not the median, says how far to trust
+it. ``--threads 1`` also records each step's CPU time of the engine thread, which the
+load of other processes barely moves. Models: the ``small`` demo model (~32M) and, when
+its conversion is cached, the default SmolLM2-135M-Instruct (``--models all``).
 
-    python -m bench.api_bench [--rounds 3] [--tokens 48]
+    python -m bench.api_bench [--rounds 5] [--tokens 64] [--models all|demo] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,8 +41,9 @@ from kubeshard_shard.engine.sequence import GrammarSpec
 from kubeshard_shard.server.factory import build_served_model
 
 BATCH = 16
+# at least 512 items of >= 15 tokens each: no request can close it within --tokens
 SCHEMA = {"type": "object", "properties": {
-    "items": {"type": "array", "maxItems": 64, "items": {"type": "object", "properties": {
+    "items": {"type": "array", "minItems": 512, "maxItems": 1024, "items": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 48},
         "score": {"type": "integer", "minimum": 0, "maximum": 1000},
         "tags": {"type": "array", "maxItems": 8, "items": {"type": "string", "maxLength": 16}}},
@@ -43,9 +51,9 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["items"]}
 
 
-def engine(model_dir: Path, **kw):
+def engine(model_dir: Path, threads: int, **kw):
     config = EngineConfig(model_dir=model_dir, model_id=model_dir.name, kv_cache_memory=MemoryBudget.parse("512MiB"),
-                          max_total_tokens=1024, **kw)
+                          max_total_tokens=1024, num_threads=threads, **kw)
     return build_served_model(config).engine
 
 
@@ -54,42 +62,66 @@ def prompts(vocab: int, n: int = BATCH, length: int = 32, seed: int = 0) -> list
     return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
 
 
-def decode_time(eng, requests) -> tuple[float, float, int]:
-    """(seconds per output token, seconds per step) over steps with the whole batch decoding."""
-    for i, (ids, params) in enumerate(requests):
-        eng.add_request(str(i), ids, params)
-    per_token, per_step, tokens = 0.0, [], 0
+def decode_steps(eng, requests) -> dict:
+    """Per-step wall and engine-thread CPU seconds over the steps with the whole batch
+    decoding, and how many tokens each request got."""
+    index = {eng.add_request(str(i), ids, params): i for i, (ids, params) in enumerate(requests)}
+    wall, cpu, tokens = [], [], [0] * len(requests)
     while eng.has_work():
         full = len(eng.scheduler.running) == len(requests) and all(
             s.num_uncomputed_tokens == 1 for s in eng.scheduler.running)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         outs = eng.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+        for o in outs:
+            tokens[index[o.request_key]] += 1
         if full and len(outs) == len(requests):
-            per_step.append(dt)
-            per_token += dt
-            tokens += len(outs)
-    return per_token / max(tokens, 1), statistics.median(per_step) if per_step else float("nan"), len(per_step)
+            wall.append(dt)
+            cpu.append(dc)
+    return {"wall": wall, "cpu": cpu, "tokens": tokens}
 
 
-def grammar_case(model_dir: Path, rounds: int, n_tokens: int) -> dict:
-    eng = engine(model_dir)
+def _rounds(cases: dict, rounds: int) -> dict:
+    """Alternates the cases ``rounds`` times after one warm-up each; per case and round,
+    the median step (wall, cpu), the steps timed and the tokens per request."""
+    for eng, reqs in cases.values():
+        decode_steps(eng, reqs)
+    out = {name: {"wall": [], "cpu": [], "steps": [], "tokens": []} for name in cases}
+    for _ in range(rounds):
+        for name, (eng, reqs) in cases.items():
+            r = decode_steps(eng, reqs)
+            out[name]["wall"].append(statistics.median(r["wall"]) if r["wall"] else float("nan"))
+            out[name]["cpu"].append(statistics.median(r["cpu"]) if r["cpu"] else float("nan"))
+            out[name]["steps"].append(len(r["wall"]))
+            out[name]["tokens"].append(sorted(set(r["tokens"])))
+    return out
+
+
+def _summary(raw: dict, base: str) -> dict:
+    def stats(v):
+        return {"median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3, "max_ms": max(v) * 1e3}
+
+    out = {name: {"wall": stats(r["wall"]), "cpu": stats(r["cpu"]), "steps": r["steps"], "tokens": r["tokens"]}
+           for name, r in raw.items()}
+    for name, r in out.items():
+        for clock in ("wall", "cpu"):
+            r[clock]["ratio"] = r[clock]["median_ms"] / out[base][clock]["median_ms"]
+            r[clock]["ratio_min"] = r[clock]["min_ms"] / out[base][clock]["min_ms"]
+    return out
+
+
+def grammar_case(model_dir: Path, rounds: int, n_tokens: int, threads: int) -> dict:
+    eng = engine(model_dir, threads)
     vocab = eng.runner.model.config.vocab_size
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     eng.grammars.compile(spec)  # compiled once per schema and cached, as in serving
     free = [(p, make_sampling_params(max_new_tokens=n_tokens, ignore_eos=True)) for p in prompts(vocab)]
     constrained = [(p, make_sampling_params(max_new_tokens=n_tokens, grammar=spec)) for p in prompts(vocab)]
-    decode_time(eng, free)  # warm-up (kernels, allocator), then alternate
-    decode_time(eng, constrained)
-    out = {"free": [], "constrained": [], "constrained_steps": []}
-    for _ in range(rounds):
-        out["free"].append(decode_time(eng, free)[0])
-        t, _, steps = decode_time(eng, constrained)
-        out["constrained"].append(t)
-        out["constrained_steps"].append(steps)
-    f, c = statistics.median(out["free"]), statistics.median(out["constrained"])
-    return {"free_ms_per_token": f * 1e3, "constrained_ms_per_token": c * 1e3, "ratio": c / f,
-            "full_batch_steps": out["constrained_steps"], "raw": out}
+    raw = _rounds({"free": (eng, free), "constrained": (eng, constrained)}, rounds)
+    if raw["constrained"]["tokens"] != raw["free"]["tokens"]:
+        raise RuntimeError(f"constrained requests stopped early: tokens {raw['constrained']['tokens']} against "
+                           f"{raw['free']['tokens']}; the schema must not close within --tokens")
+    return {"summary": _summary(raw, "free"), "raw": raw}
 
 
 def make_adapters(model_dir: Path, folder: Path, count: int, rank: int) -> list[tuple[str, str]]:
@@ -109,88 +141,109 @@ def make_adapters(model_dir: Path, folder: Path, count: int, rank: int) -> list[
     return out
 
 
-def lora_case(model_dir: Path, rounds: int, n_tokens: int, rank: int = 16) -> dict:
+def lora_case(model_dir: Path, rounds: int, n_tokens: int, threads: int, rank: int = 16) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(model_dir, Path(tmp), 4, rank)
-        base_engine = engine(model_dir)
-        lora_engine = engine(model_dir, lora_adapters=tuple(adapters))
+        base_engine = engine(model_dir, threads)
+        lora_engine = engine(model_dir, threads, lora_adapters=tuple(adapters))
     vocab = base_engine.runner.model.config.vocab_size
     ps = prompts(vocab, seed=1)
     base = [(p, make_sampling_params(max_new_tokens=n_tokens, ignore_eos=True)) for p in ps]
     mixed = [(p, make_sampling_params(max_new_tokens=n_tokens, ignore_eos=True, adapter=adapters[i % 4][0]))
              for i, p in enumerate(ps)]
-    for eng, reqs in ((base_engine, base), (lora_engine, mixed), (lora_engine, base)):
-        decode_time(eng, reqs)
-    out = {"base": [], "lora4": [], "lora_engine_base": []}
-    for _ in range(rounds):
-        out["base"].append(decode_time(base_engine, base)[1])
-        out["lora4"].append(decode_time(lora_engine, mixed)[1])
-        out["lora_engine_base"].append(decode_time(lora_engine, base)[1])
-    b, m, w = (statistics.median(out[k]) for k in ("base", "lora4", "lora_engine_base"))
-    return {"base_ms_per_step": b * 1e3, "lora4_ms_per_step": m * 1e3, "lora_engine_base_ms_per_step": w * 1e3,
-            "ratio": m / b, "rank": rank, "raw": out}
+    raw = _rounds({"base": (base_engine, base), "lora4": (lora_engine, mixed),
+                   "lora_engine_base": (lora_engine, base)}, rounds)
+    return {"summary": _summary(raw, "base"), "rank": rank, "raw": raw}
 
 
 def models() -> dict[str, Path]:
     from kubeshard_shard.demo_model import cached_demo_model
 
     out = {"demo small (32M)": cached_demo_model(CACHE / "demo-models", arch="llama", size="small", seed=0)}
-    smol = sorted((CACHE / "models").glob("SmolLM2-135M*"))
+    smol = sorted(p for p in (CACHE / "models").glob("SmolLM2-135M*") if p.is_dir())
     if smol:
         out["SmolLM2-135M-Instruct"] = smol[0]
     return out
 
 
+def _cell(r: dict, clock: str) -> str:
+    s = r[clock]
+    return f"{s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f})"
+
+
+def report(results: dict, args) -> str:
+    m = results["machine"]
+    lines = ["# Structured output and multi-LoRA cost", "",
+             f"`{results['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+             f"batch {BATCH}, float32 on CPU, {args.threads} thread(s), {args.tokens} new tokens per request, "
+             f"{args.rounds} alternating rounds after a warm-up; load average {results['load_before']} before, "
+             f"{results['load_after']} after. Every figure below comes from this one run.", "",
+             "Step times in ms: median round (min-max over rounds); ratios are of the medians (and of the "
+             "minima). CPU: the engine thread's CPU time per step (meaningful with --threads 1).", "",
+             "| model | case | wall ms/step | ratio | CPU ms/step | ratio | full-batch steps | target |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for name, r in results["models"].items():
+        for case, base, target, rows in (("grammar", "free", "≤ 1.10", ("constrained",)),
+                                         ("lora", "base", "≤ 1.3", ("lora4", "lora_engine_base"))):
+            if r.get(case) is None:
+                continue
+            s = r[case]["summary"]
+            lines.append(f"| {name} | {base} | {_cell(s[base], 'wall')} | 1 | {_cell(s[base], 'cpu')} | 1 | "
+                         f"{s[base]['steps'][0]} | |")
+            for row in rows:
+                x = s[row]
+                lines.append(f"| {name} | {row} | {_cell(x, 'wall')} | **{x['wall']['ratio']:.3f}×** "
+                             f"({x['wall']['ratio_min']:.3f}) | {_cell(x, 'cpu')} | {x['cpu']['ratio']:.3f}× "
+                             f"({x['cpu']['ratio_min']:.3f}) | {x['steps'][0]} | "
+                             f"{target if row in ('constrained', 'lora4') else ''} |")
+    lines += ["", "Constrained rows follow a JSON schema of at least 512 objects (bounded strings, integer "
+              "ranges, nested arrays), so every constrained request runs all its tokens, as the free ones do "
+              "with ignore_eos; the schema is compiled once before timing (the cache), so the figures are the "
+              "per-step mask work (xgrammar, `engine/grammar.py`) and its one batched application. Adapters "
+              "are rank 16 on q, k, v, o, gate, up and down (PEFT, random weights), four in one batch of 16 "
+              "(four rows each): stacked per layer with a per-step row mask (`models/lora.py`); the base "
+              "engine has no LoRA wrappers at all; `lora_engine_base` is the LoRA engine serving base rows.", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the engines")
     parser.add_argument("--models", choices=["all", "demo"], default="all",
                         help="demo: the small demo model only")
     parser.add_argument("--cases", default="grammar,lora", help="grammar, lora or both (comma-separated)")
     parser.add_argument("--out", default="api", help="result files: bench/results/OUT.md and .json")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.rounds < 1 or args.tokens < 4:
+        raise SystemExit("--rounds must be >= 1 and --tokens >= 4")
+    torch.set_num_threads(args.threads)
     results = {"machine": machine(), "command": " ".join(["python -m bench.api_bench"] + sys.argv[1:]),
-               "batch": BATCH, "models": {}}
+               "batch": BATCH, "threads": args.threads, "load_before": [round(x, 2) for x in os.getloadavg()],
+               "models": {}}
     chosen = models()
     if args.models == "demo":
         chosen = dict(list(chosen.items())[:1])
+    cases = args.cases.split(",")
     for name, path in chosen.items():
         print(f"== {name}", flush=True)
-        cases = args.cases.split(",")
-        g = grammar_case(path, args.rounds, args.tokens) if "grammar" in cases else None
+        g = grammar_case(path, args.rounds, args.tokens, args.threads) if "grammar" in cases else None
         if g:
-            print(f"grammar: free {g['free_ms_per_token']:.2f} ms/token, constrained "
-                  f"{g['constrained_ms_per_token']:.2f} ({g['ratio']:.3f}x)", flush=True)
-        lo = lora_case(path, args.rounds, args.tokens) if "lora" in cases else None
+            s = g["summary"]
+            print(f"grammar: free {_cell(s['free'], 'wall')} ms/step, constrained {_cell(s['constrained'], 'wall')} "
+                  f"({s['constrained']['wall']['ratio']:.3f}x)", flush=True)
+        lo = lora_case(path, args.rounds, args.tokens, args.threads) if "lora" in cases else None
         if lo:
-            print(f"lora: base {lo['base_ms_per_step']:.1f} ms/step, 4 adapters {lo['lora4_ms_per_step']:.1f} "
-                  f"({lo['ratio']:.3f}x), lora engine base rows {lo['lora_engine_base_ms_per_step']:.1f}", flush=True)
+            s = lo["summary"]
+            print(f"lora: base {_cell(s['base'], 'wall')} ms/step, 4 adapters {_cell(s['lora4'], 'wall')} "
+                  f"({s['lora4']['wall']['ratio']:.3f}x)", flush=True)
         results["models"][name] = {"grammar": g, "lora": lo}
+    results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=2) + "\n")
-    m = results["machine"]
-    lines = ["# Structured output and multi-LoRA cost", "",
-             f"`{results['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
-             f"batch {BATCH}, float32 on CPU, {args.tokens} new tokens per request, medians of {args.rounds} "
-             "alternating rounds after a warm-up; every figure below comes from this one run.", "",
-             "| model | free ms/token | constrained ms/token | ratio (target ≤ 1.10) | base ms/step | "
-             "4 adapters ms/step | ratio (target ≤ 1.3) | LoRA engine, base rows ms/step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, r in results["models"].items():
-        g, lo = r["grammar"], r["lora"]
-        gc = (f"{g['free_ms_per_token']:.2f} | {g['constrained_ms_per_token']:.2f} | **{g['ratio']:.3f}×**"
-              if g else "— | — | —")
-        lc = (f"{lo['base_ms_per_step']:.1f} | {lo['lora4_ms_per_step']:.1f} | **{lo['ratio']:.3f}×** | "
-              f"{lo['lora_engine_base_ms_per_step']:.1f}" if lo else "— | — | — | —")
-        lines.append(f"| {name} | {gc} | {lc} |")
-    lines += ["", "Constrained rows follow a JSON schema of nested arrays of objects (bounded strings, "
-              "integer ranges); the schema is compiled once before timing (the cache), so the figures are "
-              "the per-step mask work (xgrammar, `engine/grammar.py`) and its one batched application. "
-              "Adapters are rank 16 on q, k, v, o, gate, up and down (PEFT, random weights), four in one "
-              "batch of 16 (four rows each); the base engine has no LoRA wrappers at all.", ""]
-    (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    text = report(results, args)
+    (RESULTS / f"{args.out}.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
