@@ -33,6 +33,7 @@ from tests.support.lora import ALL, make_adapter, peft_greedy
 from tests.support.processes import start
 from tests.support.redis_server import free_port
 from tests.support.servers import start_router
+from tests.support.sse import DONE, sse_events
 from tests.support.shard_process import ShardProcess, start_shard
 from tests.support.waiting import wait_for
 
@@ -103,9 +104,17 @@ def _engine_metrics(shard: ShardProcess) -> str:
     return httpx.get(f"http://127.0.0.1:{shard.metrics_port}/metrics", timeout=10).text
 
 
-def _finished(shard: ShardProcess) -> float:
+def _refused(shard: ShardProcess) -> float:
+    """Requests the shard refused (an adapter it does not have among them)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in _engine_metrics(shard).splitlines()
-               if line.startswith("kubeshard_engine_requests_total") and 'outcome="finished"' in line)
+               if line.startswith("kubeshard_engine_requests_total") and 'outcome="invalid"' in line)
+
+
+def _generated(shard: ShardProcess) -> float:
+    """Tokens the shard's engine generated (counted as it generates them: exact once the
+    answers are in)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in _engine_metrics(shard).splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
 
 
 def _adapters_of(shard: ShardProcess) -> list[str]:
@@ -194,52 +203,64 @@ def test_an_adapter_request_goes_only_to_the_replicas_that_serve_it(setup, late_
     assert wait_for(lambda: _adapters_of(late_b) == ["beta"], timeout=60)
     url = setup.router.url + "/v1/completions"
     prompts = [[(i * 37 + j * 11) % 900 + 20 for j in range(40)] for i in range(8)]  # distinct prefixes
-    before = _finished(setup.a), _finished(late_b)
+    before = _generated(setup.a), _generated(late_b)
     base = _concurrently(url, [{"model": "demo", "prompt": p, "max_tokens": 24, "temperature": 0,
                                 "ignore_eos": True} for p in prompts], USER)
     assert [r.status_code for r in base] == [200] * 8
-    after_base = _finished(setup.a), _finished(late_b)
+    after_base = _generated(setup.a), _generated(late_b)
+    refused = _refused(late_b)
+    assert sum(after_base) - sum(before) == 8 * 24
     assert after_base[1] > before[1] and after_base[0] > before[0]  # base requests use both replicas
     alpha = _concurrently(url, [{"model": "alpha", "prompt": p, "max_tokens": 24, "temperature": 0,
                                  "ignore_eos": True} for p in prompts], USER)
     assert [r.status_code for r in alpha] == [200] * 8, [r.text for r in alpha if r.status_code != 200]
-    assert (_finished(setup.a) - after_base[0], _finished(late_b) - after_base[1]) == (8, 0)  # alpha: A only
+    after = _generated(setup.a), _generated(late_b)
+    assert (after[0] - after_base[0], after[1] - after_base[1]) == (8 * 24, 0)  # alpha: on A only
+    assert _refused(late_b) == refused  # and never tried on B (which would refuse it, NOT_FOUND)
 
 
 def test_two_adapters_in_one_batch_through_the_router(setup, late_b):
-    """Router 2 has replica A alone, which serves alpha and beta: requests for both (and
-    for the base model) run in its batch at once, each with its own adapter's tokens, and
-    A's live /metrics names both running adapters while they run."""
+    """Router 2 has replica A alone, which serves alpha and beta: streamed requests for both
+    (and for the base model) run in its batch at once — A's live /metrics names both
+    running adapters once every stream has its first tokens — and each gets its own
+    adapter's tokens."""
     assert "beta" in _adapters_of(setup.a)
     prompt = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555]
-    n = 48
-    seen: list[str] = []
-    stop = threading.Event()
+    n = 300  # long enough that none ends while the metrics are read
+    names = ("alpha", "beta", "demo", "alpha", "beta")
+    started = threading.Barrier(len(names) + 1, timeout=120)
+    read = threading.Event()
+    texts: dict[int, str] = {}
 
-    def watch():
-        while not stop.is_set():
-            for line in _engine_metrics(setup.a).splitlines():
-                if line.startswith("vllm:lora_requests_info{"):
-                    seen.append(line)
+    def stream(i: int, name: str) -> None:
+        body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        text = ""
+        with httpx.stream("POST", setup.plain.url + "/v1/completions", json=body, headers=NO_CACHE,
+                          timeout=120) as r:
+            for event in sse_events(r.iter_lines()):
+                if event == DONE:
+                    break
+                text += event["choices"][0]["text"]
+                if len(text) > 0 and not read.is_set() and i not in texts:
+                    texts[i] = ""
+                    started.wait()
+                    read.wait(60)
+        texts[i] = text
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        outs = _concurrently(setup.plain.url + "/v1/completions", [
-            {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-            for name in ("alpha", "beta", "demo", "alpha", "beta")], NO_CACHE)
-    finally:
-        stop.set()
-        watcher.join()
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [pool.submit(stream, i, name) for i, name in enumerate(names)]
+        started.wait()  # every stream has its first text: all five are in A's batch
+        info = [line for line in _engine_metrics(setup.a).splitlines() if line.startswith("vllm:lora_requests_info{")]
+        read.set()
+        for f in futures:
+            f.result()
+    assert len(info) == 1 and 'running_lora_adapters="alpha,beta"' in info[0] and 'max_lora="4"' in info[0], info
     tokenizer = _tokenizer(setup.model_dir)
-    texts = [r.json()["choices"][0]["text"] for r in outs]
     want = {name: tokenizer.decode(peft_greedy(setup.model_dir, setup.paths.get(name), prompt, n))
             for name in ("alpha", "beta", "demo")}
-    assert texts == [want["alpha"], want["beta"], want["demo"], want["alpha"], want["beta"]]
+    assert [texts[i] for i in range(len(names))] == [want[name] for name in names]
     assert len(set(want.values())) == 3
-    both = [line for line in seen if 'running_lora_adapters="alpha,beta"' in line]
-    assert both, seen[-5:]  # one batch held both adapters' requests
-    assert 'max_lora="4"' in both[0]
 
 
 def test_unload_at_run_time(setup, late_b):
