@@ -36,6 +36,7 @@ from kubeshard_shard.engine.rejection import verify
 from kubeshard_shard.engine.sampler import Sampler
 from kubeshard_shard.engine.scheduler import Scheduler
 from kubeshard_shard.engine.speculative import SpeculativeStats, Speculator
+from kubeshard_shard.engine.stopping import stop_reason
 from kubeshard_shard.engine.step_counters import StepCounters
 from kubeshard_shard.engine.request import RequestError
 from kubeshard_shard.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -431,18 +432,8 @@ class LLMEngine:
                 return FinishReason.EOS_TOKEN
         # before min_new_tokens nothing but the length ends a sequence (a grammar decides its own end)
         early = seq.matcher is None and seq.num_output_tokens < params.min_new_tokens
-        if not early:
-            if token_id in self.tokenizer.eos_ids and not params.ignore_eos:
-                return FinishReason.EOS_TOKEN
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP_TOKEN
-            if state.stop_sequences and text:
-                tail = state.detok.text[-(state.max_stop_len + len(text)):]
-                if any(s in tail for s in state.stop_sequences):
-                    return FinishReason.STOP_SEQUENCE
-        if seq.num_output_tokens >= params.max_new_tokens:
-            return FinishReason.LENGTH
-        return None
+        return stop_reason(params, self.tokenizer.eos_ids, seq.num_output_tokens, token_id, text, state.detok.text,
+                           state.max_stop_len, early)
 
     def _append_token(self, state: _SequenceState, tok) -> TokenOutput:
         seq = state.seq

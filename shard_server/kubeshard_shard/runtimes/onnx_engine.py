@@ -28,6 +28,7 @@ from kubeshard_shard.engine.llm_engine import EngineStats, FinishInfo, TokenOutp
 from kubeshard_shard.engine.request import RequestError
 from kubeshard_shard.engine.sequence import FinishReason, SamplingParams
 from kubeshard_shard.engine.step_counters import StepCounters
+from kubeshard_shard.engine.stopping import stop_reason
 from kubeshard_shard.tokenizer import ModelTokenizer
 
 
@@ -201,18 +202,11 @@ class OnnxEngine:
 
     def _stop_reason(self, request: _Request, token_id: int, text: str) -> Optional[FinishReason]:
         p = request.params
-        if request.generated >= p.min_new_tokens:
-            if token_id in self.tokenizer.eos_ids:
-                return FinishReason.EOS_TOKEN
-            if token_id in p.stop_token_ids:
-                return FinishReason.STOP_TOKEN
-            if p.stop_sequences and text:
-                tail = request.detok.text[-(request.max_stop_len + len(text)):]
-                if any(s in tail for s in p.stop_sequences):
-                    return FinishReason.STOP_SEQUENCE
-        if request.generated >= p.max_new_tokens or request.generator.is_done():
+        reason = stop_reason(p, self.tokenizer.eos_ids, request.generated, token_id, text, request.detok.text,
+                             request.max_stop_len, early=request.generated < p.min_new_tokens)
+        if reason is None and request.generator.is_done():
             return FinishReason.LENGTH
-        return None
+        return reason
 
     def _finish(self, request: _Request, reason: FinishReason) -> FinishInfo:
         self.requests.pop(request.key, None)
