@@ -190,13 +190,26 @@ def test_eos_and_stop_sequences(engine):
 
 def test_a_client_that_goes_away_closes_the_engines_request(engine):
     engine.fake.token_delay_s = 0.05
+    # earlier tests' connections settle first (a stream they left may still end as a
+    # disconnect), so the count below sees this request's alone
+    quiet_since = [time.monotonic(), engine.fake.disconnects]
+
+    def quiet_for_a_while() -> bool:  # no stream running and no new disconnect for 1.5 s
+        if engine.fake.running or engine.fake.disconnects != quiet_since[1]:
+            quiet_since[:] = [time.monotonic(), engine.fake.disconnects]
+        return time.monotonic() - quiet_since[0] >= 1.5
+
+    assert wait_for(quiet_for_a_while, 20)
     before = engine.fake.disconnects
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 200}}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", engine.url + "/generate_stream", json=body, headers=NO_CACHE) as r:
             assert r.status_code == 200
-            first = next(r.iter_lines())  # the first token is out: the engine is generating
-            assert engine.fake.running == 1, first
+            lines = r.iter_lines()  # kept: a dropped iterator closes the stream (httpcore) at once
+            first = next(lines)  # the first token is out: the engine is generating
+            fake = engine.fake
+            assert fake.running == 1, (first, len(fake.bodies), fake.disconnects - before, fake.dropped,
+                                       fake.bodies[-1] if fake.bodies else None)
     assert wait_for(lambda: engine.fake.disconnects == before + 1 and engine.fake.running == 0, 10), \
         "the engine still streams the abandoned request"
     assert wait_for(lambda: metric(engine.router, "kubeshard_router_client_disconnects_total") >= 1, 10)
