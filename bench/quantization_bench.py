@@ -125,7 +125,7 @@ def weights_section(name: str, model_dir, methods: list[str], tokens: int, bandw
 def kv_section(model_dir, tokens: int, context: int) -> dict:
     rows = {}
     reference = None
-    budget = "64MiB"
+    budget = "160MiB"
     for kv_dtype in ("float32", "bfloat16", "int8"):
         gc.collect()
         served = engine(model_dir, kv=budget, kv_cache_dtype=kv_dtype, max_num_seqs=16)
