@@ -16,6 +16,7 @@ class RouterError(Exception):
     status = 500
     error_type = "internal"
     openai_type = "server_error"
+    default_code: Optional[str] = None  # OpenAI's `code` when the raiser names none
     model: Optional[str] = None  # the model the failed request was for, once known
 
     def __init__(self, message: str, *, param: Optional[str] = None,
@@ -24,7 +25,7 @@ class RouterError(Exception):
         self.message = message
         self.param = param
         self.headers = headers or {}
-        self.code = code
+        self.code = code or self.default_code
 
     def for_model(self, model: str) -> "RouterError":
         """Names the model the failed request was for (it labels the error's request count)."""
@@ -45,37 +46,42 @@ class RouterError(Exception):
         return orjson.dumps(self.openai_body() if api == "openai" else self.tgi_body())
 
 
-class MalformedRequest(RouterError):
+def retry_after(seconds: int) -> dict[str, str]:
+    """The Retry-After header: whole seconds, at least one."""
+    return {"Retry-After": str(max(1, seconds))}
+
+
+class InvalidRequest(RouterError):
+    """The client must change the request (OpenAI's ``invalid_request_error``)."""
+    error_type = "validation"
+    openai_type = "invalid_request_error"
+
+
+class MalformedRequest(InvalidRequest):
     """The body is not JSON (or not an object)."""
     status = 400
-    error_type = "validation"
-    openai_type = "invalid_request_error"
 
 
-class ValidationFailed(RouterError):
+class ValidationFailed(InvalidRequest):
     """The request is well-formed JSON but a field is wrong."""
     status = 422
-    error_type = "validation"
-    openai_type = "invalid_request_error"
 
     def __init__(self, message: str, **kwargs) -> None:
         super().__init__(f"Input validation error: {message}", **kwargs)
 
 
-class PayloadTooLarge(RouterError):
+class PayloadTooLarge(InvalidRequest):
     status = 413
-    error_type = "validation"
-    openai_type = "invalid_request_error"
 
 
 class Unauthorized(RouterError):
     status = 401
     error_type = "authentication"
     openai_type = "authentication_error"
+    default_code = "invalid_api_key"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="kubeshard"'},
-                         code="invalid_api_key")
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="kubeshard"'})
 
 
 class Forbidden(RouterError):
@@ -84,62 +90,62 @@ class Forbidden(RouterError):
     status = 403
     error_type = "forbidden"
     openai_type = "permission_error"
-
-    def __init__(self, message: str, *, code: str = "forbidden") -> None:
-        super().__init__(message, code=code)
+    default_code = "forbidden"
 
 
-class ModelNotFound(RouterError):
+class ModelNotFound(InvalidRequest):
     status = 404
     error_type = "not_found"
-    openai_type = "invalid_request_error"
+    default_code = "model_not_found"
 
     def __init__(self, model: str, known: list[str]) -> None:
         listed = ", ".join(f"`{m}`" for m in sorted(known)) or "none"
-        super().__init__(f"model `{model}` does not exist; served models: {listed}",
-                         param="model", code="model_not_found")
+        super().__init__(f"model `{model}` does not exist; served models: {listed}", param="model")
 
 
-class Overloaded(RouterError):
-    """The per-model queue is full (or the engine refused for capacity)."""
+class TooManyRequests(RouterError):
+    """429: try again after the Retry-After header's seconds."""
     status = 429
-    error_type = "overloaded"
     openai_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, headers=retry_after(retry_after_s))
+
+
+class Overloaded(TooManyRequests):
+    """The per-model queue is full (or the engine refused for capacity)."""
+    error_type = "overloaded"
+    default_code = "overloaded"
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after_s)))},
-                         code="overloaded")
+        super().__init__(message, int(retry_after_s))
 
 
-class RateLimited(RouterError):
-    status = 429
+class RateLimited(TooManyRequests):
+    """The API key spent its requests or tokens per minute."""
     error_type = "rate_limit"
-    openai_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
 
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))},
-                         code="rate_limit_exceeded")
+        super().__init__(message, int(retry_after_s + 0.999))
 
 
 class BackendFailed(RouterError):
     """The backend failed the generation, or no replica could start it (TGI: 424)."""
     status = 424
     error_type = "generation"
-    openai_type = "server_error"
 
 
-class IncompleteGeneration(RouterError):
+class IncompleteGeneration(BackendFailed):
     """The stream ended after some tokens without a finish (only ever sent as an SSE event)."""
-    status = 424
     error_type = "incomplete_generation"
-    openai_type = "server_error"
 
 
 class NoBackend(RouterError):
     """The model has no ready replica (and none came up within the activation timeout)."""
     status = 503
     error_type = "unavailable"
-    openai_type = "server_error"
+    default_code = "no_backend"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, headers={"Retry-After": "5"}, code="no_backend")
+        super().__init__(message, headers=retry_after(5))
