@@ -56,6 +56,10 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
         m = ("model",)
+
+        def by_model(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, m, registry=r, buckets=buckets)
+
         # TGI's names.
         self.tgi_request_count = ExactCounter("tgi_request_count", "Requests received", m)
         self.tgi_request_success = ExactCounter("tgi_request_success", "Requests that succeeded", m)
@@ -63,32 +67,28 @@ class RouterMetrics:
                                                 ("model", "err"))
         for c in (self.tgi_request_count, self.tgi_request_success, self.tgi_request_failure):
             r.register(c)
-        self.tgi_request_duration = Histogram(
-            "tgi_request_duration", "End-to-end request duration (s)", m, registry=r,
-            buckets=DURATION_BUCKETS)
-        self.tgi_request_queue_duration = Histogram(
-            "tgi_request_queue_duration", "Time waiting in the router and engine queues (s)", m,
-            registry=r, buckets=DURATION_BUCKETS)
-        self.tgi_request_inference_duration = Histogram(
-            "tgi_request_inference_duration", "Engine inference time (s)", m, registry=r,
-            buckets=DURATION_BUCKETS)
-        self.tgi_request_mean_time_per_token_duration = Histogram(
-            "tgi_request_mean_time_per_token_duration", "Mean time per generated token (s)", m,
-            registry=r, buckets=TOKEN_TIME_BUCKETS)
-        self.tgi_request_input_length = Histogram(
-            "tgi_request_input_length", "Prompt tokens per request", m, registry=r,
-            buckets=LENGTH_BUCKETS)
-        self.tgi_request_generated_tokens = Histogram(
-            "tgi_request_generated_tokens", "Generated tokens per request", m, registry=r,
-            buckets=LENGTH_BUCKETS)
+        self.tgi_request_duration = by_model(
+            "tgi_request_duration", "End-to-end request duration (s)", DURATION_BUCKETS)
+        self.tgi_request_queue_duration = by_model(
+            "tgi_request_queue_duration", "Time waiting in the router and engine queues (s)",
+            DURATION_BUCKETS)
+        self.tgi_request_inference_duration = by_model(
+            "tgi_request_inference_duration", "Engine inference time (s)", DURATION_BUCKETS)
+        self.tgi_request_mean_time_per_token_duration = by_model(
+            "tgi_request_mean_time_per_token_duration", "Mean time per generated token (s)",
+            TOKEN_TIME_BUCKETS)
+        self.tgi_request_input_length = by_model(
+            "tgi_request_input_length", "Prompt tokens per request", LENGTH_BUCKETS)
+        self.tgi_request_generated_tokens = by_model(
+            "tgi_request_generated_tokens", "Generated tokens per request", LENGTH_BUCKETS)
         # kubeshard's own.
         p = "kubeshard_router_"
         self.requests = Counter(p + "requests", "HTTP requests by model, route and status",
                                 ("model", "route", "status"), registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (s)", m,
-                              registry=r, buckets=DURATION_BUCKETS)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "Time per output token after the "
-                              "first (s)", m, registry=r, buckets=TOKEN_TIME_BUCKETS)
+        self.ttft = by_model(p + "time_to_first_token_seconds", "Time to first token (s)",
+                             DURATION_BUCKETS)
+        self.tpot = by_model(p + "time_per_output_token_seconds",
+                             "Time per output token after the first (s)", TOKEN_TIME_BUCKETS)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end latency (s)",
                              ("model", "cache"), registry=r, buckets=DURATION_BUCKETS)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens", m, registry=r)
