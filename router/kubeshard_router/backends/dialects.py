@@ -50,12 +50,33 @@ class Unsupported(Exception):
     """A request field this engine cannot honour (the message names field and engine)."""
 
 
+def _extensions(request: pb.GenerateRequest) -> dict[str, tuple[str, bool]]:
+    """What a request may ask beyond OpenAI's completions API, by its field name in the
+    error: (what it is, whether this request asks for it)."""
+    s, stop = request.sampling, request.stopping
+    return {
+        "top_k": ("top-k sampling", s.do_sample and s.HasField("top_k") and s.top_k > 0),
+        "min_p": ("min-p sampling", s.do_sample and s.HasField("min_p")),
+        "typical_p": ("typical sampling", s.HasField("typical_p")),
+        "repetition_penalty": ("a repetition penalty", s.HasField("repetition_penalty")),
+        "logit_bias": ("a logit bias", bool(s.logit_bias)),
+        "top_n_tokens": ("top-n alternatives (logprobs)", bool(request.top_n_tokens)),
+        "ignore_eos": ("ignoring EOS", stop.ignore_eos),
+        "stop_token_ids": ("stopping on token ids", bool(stop.stop_token_ids)),
+        "min_tokens": ("a minimum number of new tokens", bool(stop.min_new_tokens)),
+        "skip_special_tokens": ("keeping special tokens in the text",
+                                request.HasField("skip_special_tokens")
+                                and not request.skip_special_tokens),
+    }
+
+
 class Dialect:
     """How one engine's /v1/completions is spoken. ``body`` builds the request (raising
     ``Unsupported``); ``token_ids`` and ``finish`` read its chunks."""
 
     name = "base"
     router_stops = False  # True: the router matches stop sequences itself
+    refused: tuple[str, ...] = ()  # the ``_extensions`` this engine cannot honour, in check order
 
     def refuse(self, field: str, what: str) -> Unsupported:
         return Unsupported(f"`{field}`: {what} is not supported by the {self.name} engine "
@@ -70,6 +91,11 @@ class Dialect:
             raise self.refuse("adapter_id", "a LoRA adapter")
         if request.prefill_details or request.prefill_top_n_tokens:
             raise self.refuse("decoder_input_details", "prompt token details")
+        extensions = _extensions(request)
+        for field in self.refused:
+            what, asked = extensions[field]
+            if asked:
+                raise self.refuse(field, what)
         s, stop = request.sampling, request.stopping
         body: dict[str, Any] = {"model": model_id, "stream": True,
                                 "max_tokens": stop.max_new_tokens}
@@ -86,36 +112,50 @@ class Dialect:
             body["presence_penalty"] = _f(s.presence_penalty)
         return body
 
+    @staticmethod
+    def add_extensions(request: pb.GenerateRequest, body: dict[str, Any],
+                       repetition_penalty: str) -> None:
+        """vLLM's extensions that llama.cpp takes too: min-p, a repetition penalty (under
+        the engine's name for it), a logit bias, a minimum length."""
+        s, stop = request.sampling, request.stopping
+        if s.do_sample and s.HasField("min_p"):
+            body["min_p"] = _f(s.min_p)
+        if s.HasField("repetition_penalty"):
+            body[repetition_penalty] = _f(s.repetition_penalty)
+        if s.logit_bias:
+            body["logit_bias"] = {str(k): _f(v) for k, v in s.logit_bias.items()}
+        if stop.min_new_tokens:
+            body["min_tokens"] = stop.min_new_tokens
+
+    def finish(self, choice: dict, eos: bool) -> "pb.FinishReason.ValueType":
+        """OpenAI's ``finish_reason`` says length or stop, and a stop is EOS: the router
+        matches stop sequences itself."""
+        if choice.get("finish_reason") == "length":
+            return pb.FINISH_REASON_LENGTH
+        return pb.FINISH_REASON_EOS_TOKEN
+
 
 class VllmDialect(Dialect):
     name = "vllm"
+    refused = ("typical_p",)
 
     def body(self, request: pb.GenerateRequest, model_id: str, tokenizer: ModelTokenizer
              ) -> dict[str, Any]:
         body = self.common(request, model_id)
         s, stop = request.sampling, request.stopping
-        if s.HasField("typical_p"):
-            raise self.refuse("typical_p", "typical sampling")
         body.update(prompt=list(request.input_ids), return_tokens_as_token_ids=True,
                     logprobs=request.top_n_tokens, include_stop_str_in_output=True,
                     skip_special_tokens=request.skip_special_tokens
                     if request.HasField("skip_special_tokens") else True)
         if s.do_sample:
             body["top_k"] = s.top_k if s.HasField("top_k") and s.top_k > 0 else -1
-            if s.HasField("min_p"):
-                body["min_p"] = _f(s.min_p)
-        if s.HasField("repetition_penalty"):
-            body["repetition_penalty"] = _f(s.repetition_penalty)
-        if s.logit_bias:
-            body["logit_bias"] = {str(k): _f(v) for k, v in s.logit_bias.items()}
+        self.add_extensions(request, body, repetition_penalty="repetition_penalty")
         if stop.stop_sequences:
             body["stop"] = list(stop.stop_sequences)
         if stop.ignore_eos:
             body["ignore_eos"] = True
         if stop.stop_token_ids:
             body["stop_token_ids"] = list(stop.stop_token_ids)
-        if stop.min_new_tokens:
-            body["min_tokens"] = stop.min_new_tokens
         return body
 
     def token_ids(self, logprobs: Optional[dict], text: str, tokenizer: ModelTokenizer
@@ -155,37 +195,21 @@ def _vllm_id(token: str) -> int:
 class LlamaCppDialect(Dialect):
     name = "llamacpp"
     router_stops = True
+    refused = ("ignore_eos", "stop_token_ids", "skip_special_tokens", "typical_p", "top_n_tokens")
 
     def body(self, request: pb.GenerateRequest, model_id: str, tokenizer: ModelTokenizer
              ) -> dict[str, Any]:
         body = self.common(request, model_id)
-        s, stop = request.sampling, request.stopping
-        if stop.ignore_eos:
-            raise self.refuse("ignore_eos", "ignoring EOS")
-        if stop.stop_token_ids:
-            raise self.refuse("stop_token_ids", "stopping on token ids")
-        if request.HasField("skip_special_tokens") and not request.skip_special_tokens:
-            raise self.refuse("skip_special_tokens", "keeping special tokens in the text")
-        if s.HasField("typical_p"):
-            raise self.refuse("typical_p", "typical sampling")
-        if request.top_n_tokens:
-            raise self.refuse("top_n_tokens", "top-n alternatives (logprobs)")
+        s = request.sampling
         # llama-cpp-python's own defaults (top_k 40, top_p 0.95, min_p 0.05) would filter
         # what kubeshard's engine leaves alone: send every warper, off unless asked for.
         body.update(prompt=tokenizer.decode(list(request.input_ids)), top_k=0,
                     top_p=body.get("top_p", 1.0), min_p=0.0, repeat_penalty=1.0)
-        if s.do_sample:
-            if s.HasField("top_k") and s.top_k > 0:
-                body["top_k"] = s.top_k
-            if s.HasField("min_p"):
-                body["min_p"] = _f(s.min_p)
-        if s.HasField("repetition_penalty"):
-            body["repeat_penalty"] = _f(s.repetition_penalty)
+        if s.do_sample and s.HasField("top_k") and s.top_k > 0:
+            body["top_k"] = s.top_k
+        self.add_extensions(request, body, repetition_penalty="repeat_penalty")
         if s.logit_bias:
-            body["logit_bias"] = {str(k): _f(v) for k, v in s.logit_bias.items()}
             body["logit_bias_type"] = "input_ids"
-        if stop.min_new_tokens:
-            body["min_tokens"] = stop.min_new_tokens
         return body
 
     def token_ids(self, logprobs: Optional[dict], text: str, tokenizer: ModelTokenizer
@@ -194,47 +218,22 @@ class LlamaCppDialect(Dialect):
         ids = tokenizer.encode(text, add_special_tokens=False)
         return [(ids[0] if ids else 0, NAN, [])]
 
-    def finish(self, choice: dict, eos: bool) -> "pb.FinishReason.ValueType":
-        if choice.get("finish_reason") == "length":
-            return pb.FINISH_REASON_LENGTH
-        return pb.FINISH_REASON_EOS_TOKEN
-
 
 class OpenAIDialect(Dialect):
     name = "openai"
     router_stops = True
+    refused = ("top_k", "min_p", "typical_p", "repetition_penalty", "logit_bias", "top_n_tokens",
+               "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens")
 
     def body(self, request: pb.GenerateRequest, model_id: str, tokenizer: ModelTokenizer
              ) -> dict[str, Any]:
         body = self.common(request, model_id)
-        s, stop = request.sampling, request.stopping
-        asked = (
-            ("top_k", "top-k sampling", s.do_sample and s.HasField("top_k") and s.top_k > 0),
-            ("min_p", "min-p sampling", s.do_sample and s.HasField("min_p")),
-            ("typical_p", "typical sampling", s.HasField("typical_p")),
-            ("repetition_penalty", "a repetition penalty", s.HasField("repetition_penalty")),
-            ("logit_bias", "a logit bias", bool(s.logit_bias)),
-            ("top_n_tokens", "top-n alternatives (logprobs)", bool(request.top_n_tokens)),
-            ("ignore_eos", "ignoring EOS", stop.ignore_eos),
-            ("stop_token_ids", "stopping on token ids", bool(stop.stop_token_ids)),
-            ("min_tokens", "a minimum number of new tokens", bool(stop.min_new_tokens)),
-            ("skip_special_tokens", "keeping special tokens in the text",
-             request.HasField("skip_special_tokens") and not request.skip_special_tokens),
-        )
-        for field, what, wanted in asked:
-            if wanted:
-                raise self.refuse(field, what)
         body["prompt"] = tokenizer.decode(list(request.input_ids))
         return body
 
     def token_ids(self, logprobs: Optional[dict], text: str, tokenizer: ModelTokenizer
                   ) -> list[tuple[int, float, list[pb.TopToken]]]:
         return [(i, NAN, []) for i in tokenizer.encode(text, add_special_tokens=False)]
-
-    def finish(self, choice: dict, eos: bool) -> "pb.FinishReason.ValueType":
-        if choice.get("finish_reason") == "length":
-            return pb.FINISH_REASON_LENGTH
-        return pb.FINISH_REASON_EOS_TOKEN
 
 
 DIALECTS: dict[str, Dialect] = {"vllm": VllmDialect(), "llamacpp": LlamaCppDialect(),
