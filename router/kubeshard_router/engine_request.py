@@ -31,6 +31,11 @@ class GrammarRequest:
         return pb.Grammar(**{self.kind: self.value})
 
 
+# SamplingParameters fields sent as they are when set: the sampler's only when sampling.
+_SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "typical_p", "seed", "min_p")
+_PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
 @dataclass(slots=True)
 class EngineRequest:
     input_ids: list[int]
@@ -75,29 +80,14 @@ class EngineRequest:
 
     def to_proto(self, request_id: str) -> pb.GenerateRequest:
         sampling = pb.SamplingParameters(do_sample=self.do_sample)
-        if self.do_sample:
-            if self.temperature is not None:
-                sampling.temperature = self.temperature
-            if self.top_k is not None:
-                sampling.top_k = self.top_k
-            if self.top_p is not None:
-                sampling.top_p = self.top_p
-            if self.typical_p is not None:
-                sampling.typical_p = self.typical_p
-            if self.seed is not None:
-                sampling.seed = self.seed
-            if self.min_p is not None:
-                sampling.min_p = self.min_p
+        for name in (_SAMPLER_FIELDS if self.do_sample else ()) + _PENALTY_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(sampling, name, value)
         if self.logit_bias:
             sampling.logit_bias.update(self.logit_bias)
         if not self.speculative:
             sampling.speculative = False
-        if self.repetition_penalty is not None:
-            sampling.repetition_penalty = self.repetition_penalty
-        if self.frequency_penalty is not None:
-            sampling.frequency_penalty = self.frequency_penalty
-        if self.presence_penalty is not None:
-            sampling.presence_penalty = self.presence_penalty
         request = pb.GenerateRequest(
             request_id=request_id,
             input_ids=self.input_ids,
