@@ -68,22 +68,26 @@ class PodVolumes:
         self.read_only: set[str] = set()
 
     # ---- sources -------------------------------------------------------------------
+    def _object(self, kind: str, name: str, optional: bool) -> dict | None:
+        """The pod's namespace's ConfigMap or Secret ``name`` (``kind``: configmap, secret);
+        None when it is missing and optional."""
+        obj = self.api_get(f"/api/v1/namespaces/{self.ns}/{kind}s/{name}")
+        if obj is None and not optional:
+            raise VolumeError(f'{kind} "{name}" not found')
+        return obj
+
     def _configmap(self, name: str, optional: bool) -> dict[str, bytes] | None:
-        obj = self.api_get(f"/api/v1/namespaces/{self.ns}/configmaps/{name}")
+        obj = self._object("configmap", name, optional)
         if obj is None:
-            if optional:
-                return None
-            raise VolumeError(f'configmap "{name}" not found')
+            return None
         data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
         data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
         return data
 
     def _secret(self, name: str, optional: bool) -> dict[str, bytes] | None:
-        obj = self.api_get(f"/api/v1/namespaces/{self.ns}/secrets/{name}")
+        obj = self._object("secret", name, optional)
         if obj is None:
-            if optional:
-                return None
-            raise VolumeError(f'secret "{name}" not found')
+            return None
         return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
 
     def _downward(self, items: list[dict]) -> list[tuple[str, bytes, int]]:
