@@ -4,7 +4,7 @@ the same under ``/models/{name}/``, and ``/metrics``."""
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -209,16 +209,6 @@ def _info(request: Request, model_name: Optional[str]) -> Response:
     })
 
 
-@router.get("/info", summary="Model and limits of the default model")
-async def info(request: Request) -> Response:
-    return _info(request, None)
-
-
-@router.get("/models/{model:path}/info", summary="Model and limits of a named model")
-async def model_info(request: Request, model: str) -> Response:
-    return _info(request, model)
-
-
 def _health(request: Request, model_name: Optional[str]) -> Response:
     state = get_state(request)
     if state.draining:
@@ -231,14 +221,27 @@ def _health(request: Request, model_name: Optional[str]) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health", summary="200 when every model has a ready replica")
-async def health(request: Request) -> Response:
-    return _health(request, None)
+def _get_default_and_named(name: str, answer: Callable[[Request, Optional[str]], Response],
+                           default_summary: str, named_summary: str) -> None:
+    """GET ``/<name>`` answers for the default model (``answer(request, None)``), GET
+    ``/models/<model>/<name>`` for a named one."""
+
+    async def default_model(request: Request) -> Response:
+        return answer(request, None)
+
+    async def named_model(request: Request, model: str) -> Response:
+        return answer(request, model)
+
+    router.add_api_route(f"/{name}", default_model, methods=["GET"], name=name,
+                         summary=default_summary)
+    router.add_api_route(f"/models/{{model:path}}/{name}", named_model, methods=["GET"],
+                         name=f"model_{name}", summary=named_summary)
 
 
-@router.get("/models/{model:path}/health", summary="200 when the model has a ready replica")
-async def model_health(request: Request, model: str) -> Response:
-    return _health(request, model)
+_get_default_and_named("info", _info, "Model and limits of the default model",
+                       "Model and limits of a named model")
+_get_default_and_named("health", _health, "200 when every model has a ready replica",
+                       "200 when the model has a ready replica")
 
 
 @router.post("/models/{model:path}", openapi_extra=_COMPAT_DOC,
