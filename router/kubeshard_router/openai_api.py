@@ -308,11 +308,16 @@ async def _each_replica(model: ModelState, call) -> None:
             pass
 
 
-@router.post("/load_lora_adapter", summary="Load a LoRA adapter on every replica of a model (vLLM's route; admin)")
-async def load_lora_adapter(request: Request) -> Response:
+async def _lora_change(request: Request) -> tuple["RouterState", LoadLoraRequest]:
+    """The router and the body of an admin's load or unload, once allowed and parsed."""
     state = get_state(request)
     state.admin.authorize_runtime_lora(request)
-    body = parse_body(await request.body(), LoadLoraRequest)
+    return state, parse_body(await request.body(), LoadLoraRequest)
+
+
+@router.post("/load_lora_adapter", summary="Load a LoRA adapter on every replica of a model (vLLM's route; admin)")
+async def load_lora_adapter(request: Request) -> Response:
+    state, body = await _lora_change(request)
     path = state.admin.lora_path(body.lora_path)
     model = state.intake.resolve(body.model)
     await _each_replica(model, lambda client: client.load_adapter(body.lora_name, path))
@@ -322,9 +327,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 @router.post("/unload_lora_adapter", summary="Unload a LoRA adapter from every replica of a model (admin)")
 async def unload_lora_adapter(request: Request) -> Response:
-    state = get_state(request)
-    state.admin.authorize_runtime_lora(request)
-    body = parse_body(await request.body(), LoadLoraRequest)
+    state, body = await _lora_change(request)
     model = state.intake.resolve(body.model)
     await _each_replica(model, lambda client: client.unload_adapter(body.lora_name))
     model.runtime_adapters.pop(body.lora_name, None)
