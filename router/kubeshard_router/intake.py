@@ -71,17 +71,15 @@ class Admitted(Generic[B, P]):
     bucket: Optional[str]  # the rate-limit bucket charged, None when no limit applies
 
 
+@dataclass(eq=False)
 class Intake:
-    def __init__(self, config: RouterConfig, registry: Registry, activator: Activator,
-                 generation: GenerationService, ratelimiter: RateLimiter, metrics: RouterMetrics,
-                 api_keys: Optional[ApiKeys]) -> None:
-        self.config = config
-        self.registry = registry
-        self.activator = activator
-        self.generation = generation
-        self.ratelimiter = ratelimiter
-        self.metrics = metrics
-        self.api_keys = api_keys
+    config: RouterConfig
+    registry: Registry
+    activator: Activator
+    generation: GenerationService
+    ratelimiter: RateLimiter
+    metrics: RouterMetrics
+    api_keys: Optional[ApiKeys]
 
     # before: steps ------------------------------------------------------------------------
 
