@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Callable, Iterable
 
 import redis.asyncio as aioredis
@@ -75,20 +75,26 @@ async def read_load(client: aioredis.Redis, model: str, revision: str) -> tuple[
     return in_flight, queued
 
 
+@dataclass(eq=False)
 class LoadPublisher:
-    def __init__(self, url: str, router_id: str, snapshot: Callable[[], Iterable[ModelLoad]],
-                 *, interval_s: float, ttl_s: int, timeout_s: float = 1.0) -> None:
-        self.url = url
-        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s,
-                                              socket_connect_timeout=timeout_s,
+    """Writes this router's per-model load (``snapshot()``) to Redis every ``interval_s``,
+    each entry living ``ttl_s`` seconds unless written again."""
+
+    url: str
+    router_id: str
+    snapshot: Callable[[], Iterable[ModelLoad]]
+    _: KW_ONLY
+    interval_s: float
+    ttl_s: int
+    timeout_s: float = 1.0
+    up: bool = field(default=True, init=False)  # the last write reached Redis
+    client: aioredis.Redis = field(init=False, repr=False)
+    _task: asyncio.Task | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.client = aioredis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                              socket_connect_timeout=self.timeout_s,
                                               retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self.router_id = router_id
-        self.snapshot = snapshot
-        self.interval_s = interval_s
-        self.ttl_s = ttl_s
-        self.timeout_s = timeout_s
-        self.up = True
-        self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load publisher")
