@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -74,28 +74,29 @@ def sum_loads(entries: Iterable[Mapping[str, object]], source: str) -> ModelLoad
                      last_request_at=total["last_request_at"], routers=count, source=source)
 
 
+@dataclass(kw_only=True, eq=False)
 class LoadReader:
     """Reads a model's load from Redis, else from the routers; each answer is kept for
     `cache_s` seconds, so the HPA, scale-to-zero and `kubectl get --raw` share reads."""
 
-    def __init__(self, *, redis_url: Optional[str], kube: Optional[Kube] = None,
-                 router_service: Optional[tuple[str, str]] = None,
-                 token_file: Optional[str] = None, timeout_s: float = 0.5,
-                 redis_retry_s: float = 5.0, cache_s: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.redis = (redis.Redis.from_url(redis_url, socket_timeout=timeout_s,
-                                           socket_connect_timeout=timeout_s)
+    redis_url: InitVar[Optional[str]]
+    kube: Optional[Kube] = None
+    router_service: Optional[tuple[str, str]] = None
+    token_file: Optional[str] = None
+    timeout_s: float = 0.5
+    redis_retry_s: float = 5.0
+    cache_s: float = 1.0
+    clock: Callable[[], float] = time.time
+    redis: Optional[redis.Redis] = field(init=False, repr=False)
+    _redis_down_until: float = field(default=0.0, init=False, repr=False)
+    _cache: dict[str, tuple[float, Optional[ModelLoad]]] = field(default_factory=dict, init=False,
+                                                                 repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self, redis_url: Optional[str]) -> None:
+        self.redis = (redis.Redis.from_url(redis_url, socket_timeout=self.timeout_s,
+                                           socket_connect_timeout=self.timeout_s)
                       if redis_url else None)
-        self.kube = kube
-        self.router_service = router_service
-        self.token_file = token_file
-        self.timeout_s = timeout_s
-        self.redis_retry_s = redis_retry_s
-        self.cache_s = cache_s
-        self.clock = clock
-        self._redis_down_until = 0.0
-        self._cache: dict[str, tuple[float, Optional[ModelLoad]]] = {}
-        self._lock = threading.Lock()
 
     def read(self, model: str) -> Optional[ModelLoad]:
         now = self.clock()
