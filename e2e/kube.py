@@ -9,9 +9,32 @@ from e2e.cluster import Cluster
 from e2e.waiting import wait_for
 
 
-def apply(cluster: Cluster, namespace: str | None, manifest: str, check: bool = True):
+def apply(cluster: Cluster, namespace: str | None, *manifests: str, check: bool = True):
+    """``kubectl apply`` of the manifests (YAML, each dedented) as one stream."""
     args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
-    return cluster.kubectl(*args, input=textwrap.dedent(manifest), check=check)
+    stream = "---\n".join(textwrap.dedent(m) for m in manifests)
+    return cluster.kubectl(*args, input=stream, check=check)
+
+
+def _nested(yaml: str, indent: str) -> str:
+    """A YAML block (any indent) re-indented to sit under a key at ``indent``."""
+    return textwrap.indent(textwrap.dedent(yaml).strip("\n") + "\n", indent)
+
+
+def pod(name: str, spec: str) -> str:
+    """A Pod manifest named ``name``; ``spec`` is its PodSpec as YAML."""
+    return f"apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n" + _nested(spec, "  ")
+
+
+def deployment(name: str, replicas: int, pod_spec: str) -> str:
+    """A Deployment manifest named ``name`` of ``replicas`` pods labelled ``app: <name>``,
+    each with ``pod_spec`` (YAML) as its PodSpec."""
+    return (f"apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: {name}}}\nspec:\n"
+            f"  replicas: {replicas}\n"
+            f"  selector: {{matchLabels: {{app: {name}}}}}\n"
+            f"  template:\n"
+            f"    metadata: {{labels: {{app: {name}}}}}\n"
+            f"    spec:\n" + _nested(pod_spec, "      "))
 
 
 def get(cluster: Cluster, namespace: str, *what: str) -> dict:

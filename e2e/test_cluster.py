@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from e2e.cluster import Cluster
-from e2e.kube import apply, get, is_ready, pods, run_to_completion
+from e2e.kube import apply, deployment, get, is_ready, pod, pods, run_to_completion
 from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -85,23 +85,14 @@ def test_crd_schema_accepts_valid_and_refuses_invalid_objects(cluster: Cluster, 
 
 
 def test_deployment_service_endpointslice_and_dns(cluster: Cluster, namespace: str):
-    apply(cluster, namespace, """
-        apiVersion: apps/v1
-        kind: Deployment
-        metadata: {name: web}
-        spec:
-          replicas: 2
-          selector: {matchLabels: {app: web}}
-          template:
-            metadata: {labels: {app: web}}
-            spec:
-              containers:
-              - name: http
-                image: python:3.11
-                command: [python, -m, http.server, "8080", --directory, /tmp]
-                ports: [{name: http, containerPort: 8080}]
-                readinessProbe: {httpGet: {path: /, port: http}, periodSeconds: 1}
-        ---
+    apply(cluster, namespace, deployment("web", 2, """
+        containers:
+        - name: http
+          image: python:3.11
+          command: [python, -m, http.server, "8080", --directory, /tmp]
+          ports: [{name: http, containerPort: 8080}]
+          readinessProbe: {httpGet: {path: /, port: http}, periodSeconds: 1}
+    """), """
         apiVersion: v1
         kind: Service
         metadata: {name: web}
@@ -129,22 +120,18 @@ def test_deployment_service_endpointslice_and_dns(cluster: Cluster, namespace: s
         for ip in ips:
             assert urllib.request.urlopen(f"http://{ip}:8080/", timeout=5).status == 200
 
-    apply(cluster, namespace, f"""
-        apiVersion: v1
-        kind: Pod
-        metadata: {{name: client}}
-        spec:
-          restartPolicy: Never
-          containers:
-          - name: client
-            image: python:3.11
-            command: [python, -c]
-            args:
-            - |
-              import urllib.request
-              for url in ("http://web/", "http://web.{namespace}.svc.cluster.local:80/"):
-                  print(url, urllib.request.urlopen(url, timeout=10).status, flush=True)
-    """)
+    apply(cluster, namespace, pod("client", f"""
+        restartPolicy: Never
+        containers:
+        - name: client
+          image: python:3.11
+          command: [python, -c]
+          args:
+          - |
+            import urllib.request
+            for url in ("http://web/", "http://web.{namespace}.svc.cluster.local:80/"):
+                print(url, urllib.request.urlopen(url, timeout=10).status, flush=True)
+    """))
     logs = run_to_completion(cluster, namespace, "client")
     assert "http://web/ 200" in logs, logs
     assert f"http://web.{namespace}.svc.cluster.local:80/ 200" in logs, logs
@@ -245,16 +232,12 @@ def test_service_account_rbac_is_enforced_inside_pods(cluster: Cluster, namespac
 
 
 def test_crashing_container_restarts_with_growing_restart_count(cluster: Cluster, namespace: str):
-    apply(cluster, namespace, """
-        apiVersion: v1
-        kind: Pod
-        metadata: {name: crasher}
-        spec:
-          containers:
-          - name: crash
-            image: busybox:1.36
-            command: [sh, -c, "echo crashing; exit 3"]
-    """)
+    apply(cluster, namespace, pod("crasher", """
+        containers:
+        - name: crash
+          image: busybox:1.36
+          command: [sh, -c, "echo crashing; exit 3"]
+    """))
 
     def restarts() -> int:
         statuses = get(cluster, namespace, "pod", "crasher")["status"].get("containerStatuses") or []
@@ -275,22 +258,13 @@ def test_crashing_container_restarts_with_growing_restart_count(cluster: Cluster
 
 
 def test_deleting_a_deployment_removes_its_pods_and_processes(cluster: Cluster, namespace: str):
-    apply(cluster, namespace, """
-        apiVersion: apps/v1
-        kind: Deployment
-        metadata: {name: sleeper}
-        spec:
-          replicas: 2
-          selector: {matchLabels: {app: sleeper}}
-          template:
-            metadata: {labels: {app: sleeper}}
-            spec:
-              terminationGracePeriodSeconds: 5
-              containers:
-              - name: sleep
-                image: busybox:1.36
-                command: [sleep, "3600"]
-    """)
+    apply(cluster, namespace, deployment("sleeper", 2, """
+        terminationGracePeriodSeconds: 5
+        containers:
+        - name: sleep
+          image: busybox:1.36
+          command: [sleep, "3600"]
+    """))
     cluster.kubectl("wait", "--for=condition=Available", "deployment/sleeper", "-n", namespace,
                     "--timeout=120s", timeout=130)
     names = [p["metadata"]["name"] for p in pods(cluster, namespace, "app=sleeper")]

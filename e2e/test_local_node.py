@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from e2e.cluster import Cluster
-from e2e.kube import apply, get, run_to_completion
+from e2e.kube import apply, get, pod, run_to_completion
 from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -132,29 +132,25 @@ def test_volumes_and_environment(cluster: Cluster, namespace: str):
 
 
 def test_probes_drive_readiness_and_restarts(cluster: Cluster, namespace: str):
-    apply(cluster, namespace, """
-        apiVersion: v1
-        kind: Pod
-        metadata: {name: probes}
-        spec:
-          containers:
-          - name: never-ready
-            image: busybox:1.36
-            command: [sleep, "3600"]
-            readinessProbe: {tcpSocket: {port: 9999}, periodSeconds: 1}
-          - name: flaky
-            image: busybox:1.36
-            # Healthy for 3 s after each start, then the liveness probe's file goes away.
-            command: [sh, -c, "touch /scratch/healthy; sleep 3; rm /scratch/healthy; sleep 3600"]
-            volumeMounts: [{name: scratch, mountPath: /scratch}]
-            startupProbe: {exec: {command: [test, -f, /scratch/healthy]}, periodSeconds: 1}
-            livenessProbe: {exec: {command: [test, -f, /scratch/healthy]}, periodSeconds: 1, failureThreshold: 2}
-          - name: web
-            image: python:3.11
-            command: [python, -m, http.server, "8080", --directory, /tmp]
-            readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
-          volumes: [{name: scratch, emptyDir: {}}]
-    """)
+    apply(cluster, namespace, pod("probes", """
+        containers:
+        - name: never-ready
+          image: busybox:1.36
+          command: [sleep, "3600"]
+          readinessProbe: {tcpSocket: {port: 9999}, periodSeconds: 1}
+        - name: flaky
+          image: busybox:1.36
+          # Healthy for 3 s after each start, then the liveness probe's file goes away.
+          command: [sh, -c, "touch /scratch/healthy; sleep 3; rm /scratch/healthy; sleep 3600"]
+          volumeMounts: [{name: scratch, mountPath: /scratch}]
+          startupProbe: {exec: {command: [test, -f, /scratch/healthy]}, periodSeconds: 1}
+          livenessProbe: {exec: {command: [test, -f, /scratch/healthy]}, periodSeconds: 1, failureThreshold: 2}
+        - name: web
+          image: python:3.11
+          command: [python, -m, http.server, "8080", --directory, /tmp]
+          readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
+        volumes: [{name: scratch, emptyDir: {}}]
+    """))
 
     def statuses() -> dict:
         return {s["name"]: s for s in get(cluster, namespace, "pod", "probes")["status"].get("containerStatuses") or []}
@@ -187,21 +183,17 @@ def test_grpc_probe(cluster: Cluster, namespace: str):
         server.start()
         server.wait_for_termination()
     """)
-    apply(cluster, namespace, f"""
-        apiVersion: v1
-        kind: Pod
-        metadata: {{name: grpc}}
-        spec:
-          containers:
-          - name: server
-            image: python:3.11
-            command: [python, -c, {json.dumps(server)}]
-            readinessProbe: {{grpc: {{port: 50051, service: kubeshard}}, periodSeconds: 1}}
-          - name: wrong-service
-            image: python:3.11
-            command: [python, -c, {json.dumps(server.replace("50051", "50052"))}]
-            readinessProbe: {{grpc: {{port: 50052, service: other}}, periodSeconds: 1}}
-    """)
+    apply(cluster, namespace, pod("grpc", f"""
+        containers:
+        - name: server
+          image: python:3.11
+          command: [python, -c, {json.dumps(server)}]
+          readinessProbe: {{grpc: {{port: 50051, service: kubeshard}}, periodSeconds: 1}}
+        - name: wrong-service
+          image: python:3.11
+          command: [python, -c, {json.dumps(server.replace("50051", "50052"))}]
+          readinessProbe: {{grpc: {{port: 50052, service: other}}, periodSeconds: 1}}
+    """))
 
     def ready() -> dict:
         return {s["name"]: s["ready"] for s in
@@ -212,13 +204,9 @@ def test_grpc_probe(cluster: Cluster, namespace: str):
 
 
 def test_unknown_image_fails_like_a_pull_error(cluster: Cluster, namespace: str):
-    apply(cluster, namespace, """
-        apiVersion: v1
-        kind: Pod
-        metadata: {name: nope}
-        spec:
-          containers: [{name: c, image: registry.invalid/nobody/nothing:1}]
-    """)
+    apply(cluster, namespace, pod("nope", """
+        containers: [{name: c, image: registry.invalid/nobody/nothing:1}]
+    """))
 
     def waiting() -> dict | None:
         statuses = get(cluster, namespace, "pod", "nope")["status"].get("containerStatuses") or []
@@ -231,24 +219,20 @@ def test_unknown_image_fails_like_a_pull_error(cluster: Cluster, namespace: str)
 
 
 def test_init_containers_run_first_and_kubectl_logs_works(cluster: Cluster, namespace: str):
-    apply(cluster, namespace, """
-        apiVersion: v1
-        kind: Pod
-        metadata: {name: init}
-        spec:
-          restartPolicy: Never
-          initContainers:
-          - name: prepare
-            image: busybox:1.36
-            command: [sh, -c, "echo prepared > /shared/ready"]
-            volumeMounts: [{name: shared, mountPath: /shared}]
-          containers:
-          - name: main
-            image: busybox:1.36
-            command: [sh, -c, "cat /shared/ready; echo main-done"]
-            volumeMounts: [{name: shared, mountPath: /shared}]
-          volumes: [{name: shared, emptyDir: {}}]
-    """)
+    apply(cluster, namespace, pod("init", """
+        restartPolicy: Never
+        initContainers:
+        - name: prepare
+          image: busybox:1.36
+          command: [sh, -c, "echo prepared > /shared/ready"]
+          volumeMounts: [{name: shared, mountPath: /shared}]
+        containers:
+        - name: main
+          image: busybox:1.36
+          command: [sh, -c, "cat /shared/ready; echo main-done"]
+          volumeMounts: [{name: shared, mountPath: /shared}]
+        volumes: [{name: shared, emptyDir: {}}]
+    """))
     logs = run_to_completion(cluster, namespace, "init")
     assert "prepared" in logs and "main-done" in logs
     via_api = cluster.kubectl("logs", "init", "-n", namespace, "-c", "main").stdout
@@ -267,19 +251,15 @@ def test_volume_over_a_parent_of_the_repository_keeps_the_programs_visible(clust
 
     repo = Path(__file__).resolve().parents[1]
     parent = str(repo.parent)
-    apply(cluster, namespace, f"""
-        apiVersion: v1
-        kind: Pod
-        metadata: {{name: parent-mount}}
-        spec:
-          restartPolicy: Never
-          containers:
-          - name: main
-            image: python:3.11
-            command: [python, -c, "import os, kubeshard_shard; print(sorted(os.listdir({parent!r})))"]
-            volumeMounts: [{{name: scratch, mountPath: {parent}}}]
-          volumes: [{{name: scratch, emptyDir: {{}}}}]
-    """)
+    apply(cluster, namespace, pod("parent-mount", f"""
+        restartPolicy: Never
+        containers:
+        - name: main
+          image: python:3.11
+          command: [python, -c, "import os, kubeshard_shard; print(sorted(os.listdir({parent!r})))"]
+          volumeMounts: [{{name: scratch, mountPath: {parent}}}]
+        volumes: [{{name: scratch, emptyDir: {{}}}}]
+    """))
     logs = run_to_completion(cluster, namespace, "parent-mount")
     # the volume is empty but for the repository's own mountpoint
     assert logs.strip() == str([repo.name]), logs
