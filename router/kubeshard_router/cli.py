@@ -23,15 +23,24 @@ log = logging.getLogger("kubeshard.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags; each one that sets a RouterConfig field has that field as its ``dest``
+    (``build_config`` passes those through), its default and, unless given, its type."""
     p = argparse.ArgumentParser(prog="kubeshard-router", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = RouterConfig.__dataclass_fields__
+    fields = RouterConfig.__dataclass_fields__
+
+    def setting(group: argparse._ArgumentGroup, flag: str, field: str, help: Optional[str] = None,
+                **kwargs) -> None:
+        default = fields[field].default
+        kwargs.setdefault("type", type(default))
+        group.add_argument(flag, dest=field, default=default, help=help,
+                           metavar=flag[2:].replace("-", "_").upper(), **kwargs)
+
     g = p.add_argument_group("serving")
-    g.add_argument("--host", default=d["host"].default, help="address to listen on")
-    g.add_argument("--port", type=int, default=d["port"].default, help="port to listen on (0: any free)")
-    g.add_argument("--drain-timeout", type=float, default=d["drain_timeout_s"].default,
-                   help="seconds in-flight streams may take to finish on SIGTERM")
-    g.add_argument("--log-level", default=d["log_level"].default,
+    setting(g, "--host", "host", "address to listen on")
+    setting(g, "--port", "port", "port to listen on (0: any free)")
+    setting(g, "--drain-timeout", "drain_timeout_s", "seconds in-flight streams may take to finish on SIGTERM")
+    g.add_argument("--log-level", default=fields["log_level"].default,
                    choices=["debug", "info", "warning", "error", "critical"])
     g = p.add_argument_group("backends")
     g.add_argument("--backend", action="append", default=[], metavar="MODEL=HOST:PORT[,HOST:PORT...]",
@@ -43,18 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model for requests that name none (default: the only model, if one)")
     g.add_argument("--balance", default="prefix", choices=MODES,
                    help="replica choice: prefix affinity with bounded load, or a plain policy")
-    g.add_argument("--affinity-blocks", type=int, default=d["affinity_blocks"].default,
-                   help="leading full KV blocks hashed for prefix affinity")
-    g.add_argument("--load-factor", type=float, default=d["load_factor"].default,
-                   help="a replica above this multiple of the mean load is skipped")
+    setting(g, "--affinity-blocks", "affinity_blocks", "leading full KV blocks hashed for prefix affinity")
+    setting(g, "--load-factor", "load_factor", "a replica above this multiple of the mean load is skipped")
     g = p.add_argument_group("redis")
     g.add_argument("--redis-url", default=None, help="redis://[user:password@]host:port/db")
     g.add_argument("--no-redis", action="store_true", help="no cache, no shared counters or limits")
-    g.add_argument("--cache-ttl", type=int, default=d["cache_ttl_s"].default, help="cache entry TTL (s)")
-    g.add_argument("--redis-timeout", type=float, default=d["redis_timeout_s"].default,
-                   help="timeout of one Redis operation (s)")
-    g.add_argument("--redis-retry", type=float, default=d["redis_retry_s"].default,
-                   help="after a Redis failure, skip Redis for this long (s)")
+    setting(g, "--cache-ttl", "cache_ttl_s", "cache entry TTL (s)")
+    setting(g, "--redis-timeout", "redis_timeout_s", "timeout of one Redis operation (s)")
+    setting(g, "--redis-retry", "redis_retry_s", "after a Redis failure, skip Redis for this long (s)")
     g = p.add_argument_group("auth and limits")
     g.add_argument("--api-keys-file", default=None, help="YAML or one-key-per-line file of API keys")
     g.add_argument("--api-keys-secret", default=None, metavar="NAMESPACE/NAME",
@@ -69,31 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "(<tool_call>: hermes, <|python_tag|>: llama3_json, [TOOL_CALLS]: mistral; else hermes)")
     g.add_argument("--lora-root", default=None, metavar="DIR",
                    help="absolute folder, as the shard pods see it, under which every runtime lora_path must lie")
-    g.add_argument("--rate-limit-rpm", type=int, default=0, help="requests per minute per key (0: none)")
-    g.add_argument("--rate-limit-tpm", type=int, default=0,
-                   help="tokens (prompt + max new) per minute per key (0: none)")
-    g.add_argument("--max-queue-per-model", type=int, default=d["max_queue_per_model"].default,
-                   help="requests that may wait per model before 429")
-    g.add_argument("--queue-timeout", type=float, default=d["queue_timeout_s"].default,
-                   help="seconds a request may wait for a slot before 429")
-    g.add_argument("--activation-timeout", type=float, default=d["activation_timeout_s"].default,
-                   help="seconds a request is held for a model with no ready replica before 503")
-    g.add_argument("--max-top-n-tokens", type=int, default=d["max_top_n_tokens"].default)
-    g.add_argument("--max-stop-sequences", type=int, default=d["max_stop_sequences"].default)
-    g.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"].default)
+    setting(g, "--rate-limit-rpm", "rate_limit_rpm", "requests per minute per key (0: none)")
+    setting(g, "--rate-limit-tpm", "rate_limit_tpm", "tokens (prompt + max new) per minute per key (0: none)")
+    setting(g, "--max-queue-per-model", "max_queue_per_model", "requests that may wait per model before 429")
+    setting(g, "--queue-timeout", "queue_timeout_s", "seconds a request may wait for a slot before 429")
+    setting(g, "--activation-timeout", "activation_timeout_s",
+            "seconds a request is held for a model with no ready replica before 503")
+    setting(g, "--max-top-n-tokens", "max_top_n_tokens")
+    setting(g, "--max-stop-sequences", "max_stop_sequences")
+    setting(g, "--max-body-bytes", "max_body_bytes")
     g = p.add_argument_group("timeouts and retries")
-    g.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"].default,
-                   help="timeout of Health probes (s)")
-    g.add_argument("--info-timeout", type=float, default=d["info_timeout_s"].default,
-                   help="timeout of Info calls (s)")
-    g.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default,
-                   help="deadline of one generation (s)")
-    g.add_argument("--stall-timeout", type=float, default=d["stall_timeout_s"].default,
-                   help="cancel a generation that produced nothing for this long (s)")
-    g.add_argument("--health-interval", type=float, default=d["health_interval_s"].default,
-                   help="seconds between Health probes of each replica")
-    g.add_argument("--max-retries", type=int, default=d["max_retries"].default,
-                   help="other replicas tried when one fails before its first token")
+    setting(g, "--connect-timeout", "connect_timeout_s", "timeout of Health probes (s)")
+    setting(g, "--info-timeout", "info_timeout_s", "timeout of Info calls (s)")
+    setting(g, "--request-timeout", "request_timeout_s", "deadline of one generation (s)")
+    setting(g, "--stall-timeout", "stall_timeout_s", "cancel a generation that produced nothing for this long (s)")
+    setting(g, "--health-interval", "health_interval_s", "seconds between Health probes of each replica")
+    setting(g, "--max-retries", "max_retries", "other replicas tried when one fails before its first token")
     g.add_argument("--router-id", default=None, help="name of this router instance in Redis counters")
     g.add_argument("--load-token-file", default=None, metavar="PATH",
                    help="bearer token of GET /internal/load (this router's load, for the metrics "
@@ -108,25 +104,12 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         backends[model] = backends.get(model, ()) + addrs
     if args.redis_url and args.no_redis:
         raise ValueError("--redis-url and --no-redis are exclusive")
-    extra = {"router_id": args.router_id} if args.router_id else {}
-    return RouterConfig(
-        host=args.host, port=args.port, backends=backends, kubernetes=args.kubernetes,
-        namespace=args.namespace, default_model=args.default_model,
-        redis_url=None if args.no_redis else args.redis_url, redis_timeout_s=args.redis_timeout,
-        redis_retry_s=args.redis_retry, cache_ttl_s=args.cache_ttl,
-        api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
-        allow_runtime_lora=args.allow_runtime_lora, lora_root=args.lora_root,
-        tool_call_parser=args.tool_call_parser,
-        rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
-        max_queue_per_model=args.max_queue_per_model, queue_timeout_s=args.queue_timeout,
-        activation_timeout_s=args.activation_timeout, connect_timeout_s=args.connect_timeout,
-        info_timeout_s=args.info_timeout, request_timeout_s=args.request_timeout,
-        stall_timeout_s=args.stall_timeout, health_interval_s=args.health_interval,
-        max_retries=args.max_retries, max_top_n_tokens=args.max_top_n_tokens,
-        max_stop_sequences=args.max_stop_sequences, max_body_bytes=args.max_body_bytes,
-        affinity_blocks=args.affinity_blocks, load_factor=args.load_factor,
-        drain_timeout_s=args.drain_timeout, log_level=args.log_level,
-        load_token_file=args.load_token_file, **extra)
+    settings = {name: value for name, value in vars(args).items()
+                if name in RouterConfig.__dataclass_fields__}
+    if not args.router_id:
+        del settings["router_id"]  # the field's default: a fresh one
+    settings.update(backends=backends, redis_url=None if args.no_redis else args.redis_url)
+    return RouterConfig(**settings)
 
 
 async def serve(config: RouterConfig, balance: str = "prefix") -> None:
