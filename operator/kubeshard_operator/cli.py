@@ -75,20 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     if args.reconcile_interval <= 0:
         raise SystemExit("kubeshard-operator: --reconcile-interval must be positive")
-    return OperatorConfig(
-        shard_image=args.shard_image,
-        shard_image_cuda=args.shard_image_cuda,
-        vllm_image=args.vllm_image,
-        vllm_cpu_image=args.vllm_cpu_image,
-        llamacpp_image=args.llamacpp_image,
-        image_pull_policy=args.image_pull_policy,
-        shard_cache_dir=args.shard_cache_dir or None,
-        router_url=args.router_url or None,
-        redis_url=args.redis_url or None,
-        reconcile_interval=args.reconcile_interval,
-        router_service=args.router_service or None,
-        load_token_file=args.load_token_file or None,
-    )
+    # Flags named after an OperatorConfig field set it; an empty one (an unset chart value)
+    # leaves an optional field unset.
+    fields = OperatorConfig.__dataclass_fields__
+    return OperatorConfig(**{name: value if fields[name].default is not None else value or None
+                             for name, value in vars(args).items() if name in fields})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
