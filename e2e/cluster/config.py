@@ -47,6 +47,11 @@ class NodeSpec:
 RUNTIMES = ("process", "containerd")
 
 
+def _under_state_dir(name: str) -> property:
+    """A ClusterConfig path: ``name`` in its state_dir."""
+    return property(lambda config: config.state_dir / name, doc=f"state_dir / {name!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     state_dir: Path
@@ -127,32 +132,15 @@ class ClusterConfig:
         return f"https://127.0.0.1:{self.apiserver_port}"
 
     # ---- state layout ------------------------------------------------------------
-    @property
-    def pki_dir(self) -> Path:
-        return self.state_dir / "pki"
-
-    @property
-    def log_dir(self) -> Path:
-        return self.state_dir / "logs"
-
-    @property
-    def pid_dir(self) -> Path:
-        return self.state_dir / "pids"
-
-    @property
-    def pods_dir(self) -> Path:
-        return self.state_dir / "pods"
-
-    @property
-    def kubeconfig(self) -> Path:
-        return self.state_dir / "kubeconfig"
+    pki_dir = _under_state_dir("pki")
+    log_dir = _under_state_dir("logs")
+    pid_dir = _under_state_dir("pids")
+    pods_dir = _under_state_dir("pods")
+    kubeconfig = _under_state_dir("kubeconfig")
+    config_file = _under_state_dir("cluster.json")
 
     def component_kubeconfig(self, name: str) -> Path:
         return self.state_dir / "kubeconfigs" / f"{name}.kubeconfig"
-
-    @property
-    def config_file(self) -> Path:
-        return self.state_dir / "cluster.json"
 
     # ---- persistence: the node agent and DNS processes read the same config --------
     @property
