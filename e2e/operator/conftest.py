@@ -58,13 +58,13 @@ class Release:
     def fullname(self) -> str:
         return f"{self.name}-kubeshard"
 
-    @property
-    def router_service(self) -> str:
-        return f"{self.fullname}-router"
+    def component(self, name: str) -> str:
+        """The name of the chart's objects for one component (router, redis, operator, ...)."""
+        return f"{self.fullname}-{name}"
 
     @property
     def router_url(self) -> str:
-        return f"http://{self.router_service}.{self.namespace}.svc:8080"
+        return f"http://{self.component('router')}.{self.namespace}.svc:8080"
 
     def pods(self, component: str) -> list[dict]:
         out = self.cluster.kubectl(

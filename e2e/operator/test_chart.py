@@ -49,7 +49,7 @@ def test_helm_test_calls_the_router_health(cluster, kubeshard):
     out = cluster.helm("test", kubeshard.name, "-n", kubeshard.namespace, "--timeout", "2m",
                        timeout=180)
     test_suite = out.stdout[out.stdout.index("TEST SUITE:"):]
-    assert f"{kubeshard.fullname}-test-health" in test_suite
+    assert kubeshard.component("test-health") in test_suite
     assert "Phase:          Succeeded" in test_suite
 
 

@@ -217,7 +217,7 @@ def test_network_policy_keeps_other_pods_from_redis_and_the_shards(cluster, kube
         shard_ip = next(p["status"]["podIP"] for p in kubectl_json(
             cluster, "-n", ns, "get", "pods", "-l", "kubeshard.io/inference-service=guarded")["items"])
         # The Service's address (kube-proxy's DNAT, then the policy on the Redis pod).
-        redis_ip = kubectl_json(cluster, "-n", ns, "get", "service", f"{kubeshard.fullname}-redis")["spec"]["clusterIP"]
+        redis_ip = kubectl_json(cluster, "-n", ns, "get", "service", kubeshard.component("redis"))["spec"]["clusterIP"]
         redis = f"{redis_ip}:6379"
         shard = f"{shard_ip}:50051"
         router = kubeshard.pods("router")[0]["metadata"]["labels"]

@@ -59,7 +59,7 @@ def test_operator_and_router_run_with_the_charts_rbac(cluster, kubeshard):
 def test_only_one_operator_replica_acts(cluster, kubeshard):
     def both_peers():
         # each replica announces itself in the peering object soon after it starts
-        peering = kubectl_json(cluster, "get", "clusterkopfpeering", f"{kubeshard.fullname}-operator")
+        peering = kubectl_json(cluster, "get", "clusterkopfpeering", kubeshard.component("operator"))
         status = peering.get("status") or {}
         return status if len(status) == 2 else None
 

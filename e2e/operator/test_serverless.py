@@ -231,7 +231,7 @@ def router_pods(kubeshard) -> list[dict]:
 
 @pytest.fixture
 def two_routers(cluster, kubeshard):
-    deploy = f"deployment/{kubeshard.router_service}"
+    deploy = f"deployment/{kubeshard.component('router')}"
     cluster.kubectl("-n", kubeshard.namespace, "scale", deploy, "--replicas=2")
     wait_for(lambda: len([p for p in router_pods(kubeshard) if pod_ready(p)]) == 2, 180,
              what="two ready routers")
@@ -318,7 +318,7 @@ def test_autoscaling_follows_the_load_with_redis_stopped(cluster, kubeshard, nam
                          autoscaling={"minReplicas": 1, "maxReplicas": 2, "target": 1}))
     wait_phase(cluster, namespace, "direct", "Ready", 1, timeout=FIRST_START)
     wait_metrics_api(cluster)
-    redis = f"statefulset/{kubeshard.fullname}-redis"
+    redis = f"statefulset/{kubeshard.component('redis')}"
     cluster.kubectl("-n", kubeshard.namespace, "scale", redis, "--replicas=0")
     try:
         wait_for(lambda: not kubeshard.pods("redis"), 120, what="Redis to stop")
