@@ -245,6 +245,13 @@ def summarize(r: dict) -> dict:
     return out
 
 
+def _table(header: list[str], rows: list[list], left: tuple[int, ...] = ()) -> list[str]:
+    """A Markdown table; its columns align right but those whose index is in ``left``."""
+    return (["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i in left else "---:" for i in range(len(header))) + "|"]
+            + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
+
+
 def render(data: dict) -> str:
     lines = ["# Activation cache: time to first token with a shared prefix", "",
              f"Machine: {data['machine']['cpu']}, {data['machine']['cores']} cores, torch {data['machine']['torch']}; "
@@ -259,41 +266,36 @@ def render(data: dict) -> str:
              "of their TTFTs.", ""]
     for model in data["models"]:
         s = model["summary"]
-        lines += [f"## {model['model']}", "",
-                  "| prefix | computed | local hit | Redis hit (fresh server) | Redis vs computed | "
-                  "Redis / local | target |",
-                  "|---:|---:|---:|---:|---:|---:|---|"]
-        for L, x in s.items():
-            target = "≥ 5× and ≤ 1.5×" if int(L) == 1000 else "—"
-            lines.append(f"| {L} | {x['computed_ms']:.0f} ms | {x['local_ms']:.0f} ms | {x['redis_ms']:.0f} ms | "
-                         f"{x['redis_speedup']:.1f}× faster | {x['redis_over_local']:.2f}× | {target} |")
-        lines += ["", f"{data['concurrency']} concurrent requests sharing the prefix (TTFT p50 / max):", "",
-                  "| prefix | computed | local hit | Redis hit (fresh server) | Redis vs computed | Redis / local |",
-                  "|---:|---:|---:|---:|---:|---:|"]
-        for L, x in s.items():
-            lines.append(f"| {L} | {x['computed_16_p50_ms']:.0f} / {x['computed_16_max_ms']:.0f} ms | "
-                         f"{x['local_16_p50_ms']:.0f} / {x['local_16_max_ms']:.0f} ms | "
-                         f"{x['redis_16_p50_ms']:.0f} / {x['redis_16_max_ms']:.0f} ms | "
-                         f"{x['redis_16_speedup']:.1f}× faster | {x['redis_16_over_local']:.2f}× |")
-        lines += ["", "The request that populates the cache (paired with a computed one), and what a hit reads:", "",
-                  "| prefix | populating TTFT | computed TTFT | overhead (median of pairs) | lookup that missed | "
-                  "write in Redis after the first token | Redis fetch of the prefix | Redis − local − fetch | "
-                  "prefill tokens saved |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for L, x in s.items():
-            lines.append(f"| {L} | {x['populating_ms']:.0f} ms | {x['computed_ms']:.0f} ms | "
-                         f"{x['populating_overhead'] * 100:+.1f}% | {x['miss_lookup_ms']:.1f} ms | "
-                         f"{x['write_done_ms']:.0f} ms | {x['redis_fetch_ms']:.0f} ms | {x['redis_rest_ms']:.0f} ms | "
-                         f"{x['tokens_saved']:.0f} |")
-        lines += ["", "What each phase did (summed over its requests):", "",
-                  "| prefix | phase | lookups | hit blocks | prefill tokens saved | timeouts | Redis errors | "
-                  "local prefix-cache block hits |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for L, x in s.items():
-            for name, p in x["phases"].items():
-                cells = [p.get(k, 0) for k in ("lookups", "hit_blocks", "prefill_tokens_saved", "timeouts",
-                                               "redis_errors", "prefix_cache_hits")]
-                lines.append(f"| {L} | {name.removesuffix('_phase')} | " + " | ".join(map(str, cells)) + " |")
+        lines += [f"## {model['model']}", ""]
+        lines += _table(
+            ["prefix", "computed", "local hit", "Redis hit (fresh server)", "Redis vs computed",
+             "Redis / local", "target"],
+            [[L, f"{x['computed_ms']:.0f} ms", f"{x['local_ms']:.0f} ms", f"{x['redis_ms']:.0f} ms",
+              f"{x['redis_speedup']:.1f}× faster", f"{x['redis_over_local']:.2f}×",
+              "≥ 5× and ≤ 1.5×" if int(L) == 1000 else "—"] for L, x in s.items()], left=(6,))
+        lines += ["", f"{data['concurrency']} concurrent requests sharing the prefix (TTFT p50 / max):", ""]
+        lines += _table(
+            ["prefix", "computed", "local hit", "Redis hit (fresh server)", "Redis vs computed", "Redis / local"],
+            [[L, *(f"{x[f'{case}_16_p50_ms']:.0f} / {x[f'{case}_16_max_ms']:.0f} ms"
+                   for case in ("computed", "local", "redis")),
+              f"{x['redis_16_speedup']:.1f}× faster", f"{x['redis_16_over_local']:.2f}×"] for L, x in s.items()])
+        lines += ["", "The request that populates the cache (paired with a computed one), and what a hit reads:", ""]
+        lines += _table(
+            ["prefix", "populating TTFT", "computed TTFT", "overhead (median of pairs)", "lookup that missed",
+             "write in Redis after the first token", "Redis fetch of the prefix", "Redis − local − fetch",
+             "prefill tokens saved"],
+            [[L, f"{x['populating_ms']:.0f} ms", f"{x['computed_ms']:.0f} ms",
+              f"{x['populating_overhead'] * 100:+.1f}%", f"{x['miss_lookup_ms']:.1f} ms",
+              f"{x['write_done_ms']:.0f} ms", f"{x['redis_fetch_ms']:.0f} ms", f"{x['redis_rest_ms']:.0f} ms",
+              f"{x['tokens_saved']:.0f}"] for L, x in s.items()])
+        lines += ["", "What each phase did (summed over its requests):", ""]
+        lines += _table(
+            ["prefix", "phase", "lookups", "hit blocks", "prefill tokens saved", "timeouts", "Redis errors",
+             "local prefix-cache block hits"],
+            [[L, name.removesuffix("_phase"),
+              *(p.get(k, 0) for k in ("lookups", "hit_blocks", "prefill_tokens_saved", "timeouts",
+                                      "redis_errors", "prefix_cache_hits"))]
+             for L, x in s.items() for name, p in x["phases"].items()], left=(1,))
         lines += ["", f"Redis bytes per cached token: {model['bytes_per_token']:.0f} (K and V of every layer, "
                   "float32, plus a 64-byte header per 16-token block). Entries refused on the fresh server: "
                   f"{model['fresh_rejected']}.", ""]
