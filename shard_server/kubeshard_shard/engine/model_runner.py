@@ -58,6 +58,21 @@ def slots_of(table: list[int], start: int, end: int, block_size: int) -> list[in
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def _long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def _decode_tables(tables: list[list[int]], lens: list[int]
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """The decode rows' block tables (padded with block 0 to the longest), their context
+    lengths and the longest; (None, None, 0) when there are none."""
+    if not tables:
+        return None, None, 0
+    width = max(len(t) for t in tables)
+    return (torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32), max(lens))
+
+
 class ModelRunner:
     def __init__(self, model, cache: KVCache, device: torch.device, decode_kernel: Callable | None = None,
                  lora=None) -> None:
@@ -99,8 +114,7 @@ class ModelRunner:
             end = start + len(tokens)
             verify_rows.append((seq, len(ids), len(tokens)))
             chunks.append((len(ids), len(tokens), start))
-            context_slots.append(
-                torch.tensor(slots_of(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
+            context_slots.append(_long(slots_of(seq.block_table, 0, start, bs)) if start else None)
             ids.extend(tokens)
             pos.extend(range(start, end))
             slots.extend(slots_of(seq.block_table, start, end, bs))
@@ -114,8 +128,7 @@ class ModelRunner:
             pos.extend(range(start, end))
             slots.extend(slots_of(seq.block_table, start, end, bs))
             chunks.append((q_start, n, start))
-            context_slots.append(
-                torch.tensor(slots_of(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
+            context_slots.append(_long(slots_of(seq.block_table, 0, start, bs)) if start else None)
             if seq.params.prefill_details and seq.preemptions == 0:
                 # positions start..last-1 predict prompt tokens start+1..last
                 last = min(end, seq.num_prompt_tokens - 1)
@@ -135,24 +148,11 @@ class ModelRunner:
             prompt_rows.append((seq, len(rows), len(chunk_rows), first_token))
             rows.extend(chunk_rows)
 
-        block_tables = context_lens = None
-        max_len = 0
-        if decodes:
-            width = max(len(t) for t in tables)
-            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-            context_lens = torch.tensor(lens, dtype=torch.int32)
-            max_len = max(lens)
+        block_tables, context_lens, max_len = _decode_tables(tables, lens)
         inputs = StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(pos, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            logits_indices=torch.tensor(rows, dtype=torch.long),
-            num_decode=len(decodes),
-            block_tables=block_tables,
-            context_lens=context_lens,
-            max_context_len=max_len,
-            prefill_chunks=chunks,
-            context_slots=context_slots,
+            input_ids=_long(ids), positions=_long(pos), slot_mapping=_long(slots), logits_indices=_long(rows),
+            num_decode=len(decodes), block_tables=block_tables, context_lens=context_lens, max_context_len=max_len,
+            prefill_chunks=chunks, context_slots=context_slots,
         )
         if self.lora is not None and (any(s.adapter_slot for s in sched.decodes)
                                       or any(s.adapter_slot for s, _ in sched.prefills)):
