@@ -34,12 +34,12 @@ The deltas never touch the base weight, so a quantized base layer (whose ``forwa
 calls its packed GEMM, ``models/quant.py``) is wrapped the same way.
 
 History: a first version gathered and scattered rows by index (``index_add_`` alone cost
-more than the base step, bench/results/api-run1.md); a second cut the batch into one run
-per adapter with two GEMMs per run and B block-diagonal over the fused sub-projections
-(bench/results/api-lora.md). Measured in-process at batch 16, four rank-16 adapters on
-all seven projections against the base engine (CPU time of one thread, so the shared
-machine's load does not enter): the demo model 1.33x -> 1.25x, SmolLM2-135M about
-1.2-1.3x both ways; the wrapped layers' own extra time fell by 15-20%.
+more than the base step); a second cut the batch into one run per adapter with two GEMMs
+per run and B block-diagonal over the fused sub-projections (3.4x the base step on a
+loaded machine). The stacked version, measured in-process at batch 16 with four rank-16
+adapters on all seven projections against the base engine on the demo model: 1.28x the
+base step (bench/results/api.md, two threads) and 1.28x its CPU time (api-lora.md, one
+thread); base rows on the LoRA engine cost 1.00-1.03x.
 
 Sharding: adapters apply with the unsharded engine (one process per replica). A tensor
 or zero3 group refuses them at load time with a message saying so: their projections
