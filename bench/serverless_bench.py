@@ -411,11 +411,14 @@ def write(results: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serverless.json").write_text(json.dumps(results, indent=2, default=str))
     lines = ["# Serverless benchmark", "",
-             f"Machine: {results['machine']['cores']} CPUs ({results['machine']['cpu']}), run "
-             f"{results['machine']['date']}; load average {results['load_before']} before the run (the "
-             "machine is shared with other work). The local control plane of `e2e/cluster` (process-backed "
-             f"node), the chart installed as the e2e tests install it; shards in {results.get('dtype')}. "
-             f"Reproduce: `{results['command']}`.", ""]
+             f"Machine: {results['machine']['cores']} CPUs ({results['machine']['cpu']}), shared with other work. "
+             "The local control plane of `e2e/cluster` (process-backed node), the chart installed as the e2e "
+             f"tests install it; shards in {results.get('dtype')}. Each section says when it ran, the load "
+             "average before that run and the command that reproduces it.", ""]
+
+    def ran(section: dict) -> list[str]:
+        r = section.get("run")
+        return [f"Run {r['date']}, load average {r['load_before']} before it: `{r['command']}`.", ""] if r else []
     for key, title in (("coldstart_tiny", "tiny demo model (llama, random weights)"),
                        ("coldstart_default", f"default model, SmolLM2-135M-Instruct ({results.get('dtype')}; "
                                              "`make run` serves it in float32 on a CPU)")):
@@ -423,9 +426,9 @@ def write(results: dict) -> None:
         if not cs:
             continue
         if "error" in cs:
-            lines += [f"## Cold start from zero: {title}", "", f"Not measured in this run: `{cs['error'][:300]}`", ""]
+            lines += [f"## Cold start from zero: {title}", "", *ran(cs), f"Not measured: `{cs['error'][:300]}`", ""]
             continue
-        lines += [f"## Cold start from zero: {title}", "",
+        lines += [f"## Cold start from zero: {title}", "", *ran(cs),
                   f"A streaming request at zero replicas until its first token; median of "
                   f"{len(cs['runs'])} runs (each: idle 5 s, scaled to zero, then one request).", "",
                   "| step | median s | " + " | ".join(f"run {i + 1}" for i in range(len(cs["runs"]))) + " |",
@@ -437,10 +440,10 @@ def write(results: dict) -> None:
         lines += [f"| **request to first token** | **{fmt(cs['median']['total_s'])}** | " + " | ".join(cells) + " |", ""]
     sc = results.get("scaling")
     if sc and "error" in sc:
-        lines += ["## 0 -> 1 -> N -> 1 -> 0 under a steady open-loop load", "",
-                  f"Not measured in this run: `{sc['error'][:300]}`", ""]
+        lines += ["## 0 -> 1 -> N -> 1 -> 0 under a steady open-loop load", "", *ran(sc),
+                  f"Not measured: `{sc['error'][:300]}`", ""]
     elif sc and "load_step_to_second_group_serving_s" not in sc:  # recorded by the scenario's first version
-        lines += ["## 0 -> 1 -> N -> 1 -> 0 under a steady open-loop load", "",
+        lines += ["## 0 -> 1 -> N -> 1 -> 0 under a steady open-loop load", "", *ran(sc),
                   "Non-streaming `/generate` (24 new tokens) at a fixed rate whatever the answers, through the "
                   "router; HPA on `concurrency` with target 1, min 0, max 3, scale-down window 20 s; idle 15 s "
                   "to zero.", "",
@@ -464,7 +467,7 @@ def write(results: dict) -> None:
                   "has outstanding on it: rerun `python -m bench.serverless_bench scaling`.", ""]
     elif sc:
         step, steady = sc["phases"][1], sc["phases"][0]
-        lines += ["## 0 -> 1 -> N -> 1 -> 0 under a steady open-loop load", "",
+        lines += ["## 0 -> 1 -> N -> 1 -> 0 under a steady open-loop load", "", *ran(sc),
                   f"Requests at a fixed rate whatever the answers, through the router: `/generate` with "
                   f"{steady['max_new_tokens']} new tokens, and in the step `/generate_stream` with "
                   f"{step['max_new_tokens']} (read to the final event). HPA on `concurrency` with target "
@@ -514,11 +517,13 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     def scenario(key: str, run) -> None:
         """Runs one scenario; its result (or the error that stopped it) is written at once."""
+        stamp = {"date": machine()["date"], "command": results["command"], "load_before": results["load_before"]}
         try:
             results[key] = run()
         except Exception as exc:  # the shared local cluster misbehaving: say so in the results
             results[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             print(f"{key} failed: {results[key]['error']}", file=sys.stderr, flush=True)
+        results[key]["run"] = stamp  # scenarios of earlier runs keep their own
         write(results)
 
     try:
