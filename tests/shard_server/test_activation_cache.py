@@ -18,7 +18,7 @@ import torch
 
 from kubeshard_shard.activations import codec
 from kubeshard_shard.activations.layout import KVLayout
-from tests.support.activation_cache import engine, generate, populate
+from tests.support.activation_cache import engine, generate, populate, writes_land_before_the_next_test  # noqa: F401 - autouse fixture
 from tests.support.engine import build_engine, greedy, hf_greedy, random_prompts
 from tests.support.slow_proxy import SlowProxy
 

@@ -14,7 +14,7 @@ import torch
 from kubeshard_shard.activations.layout import KVLayout
 from kubeshard_shard.engine.block_manager import hash_block
 from tests.support.engine import hf_greedy, random_prompts
-from tests.support.activation_cache import engine, generate, populate
+from tests.support.activation_cache import engine, generate, populate, writes_land_before_the_next_test  # noqa: F401 - autouse fixture
 from tests.support.redis_cluster import RedisCluster
 
 PREFIXES = random_prompts(6, 1000, (160, 160), seed=31)     # 10 full blocks each
