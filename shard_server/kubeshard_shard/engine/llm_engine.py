@@ -142,15 +142,14 @@ class StepExecutor(Protocol):
 
 
 class _SequenceState:
-    __slots__ = ("seq", "detok", "stop_sequences", "max_stop_len", "lane", "request")
+    __slots__ = ("seq", "detok", "max_stop_len", "lane", "request")
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, lane: Lane, request: "_Request") -> None:
         self.lane = lane
         self.seq = seq
         self.detok = detok
         self.request = request
-        self.stop_sequences = seq.params.stop_sequences
-        self.max_stop_len = max((len(s) for s in self.stop_sequences), default=0)
+        self.max_stop_len = max((len(s) for s in seq.params.stop_sequences), default=0)
 
 
 class _Request:
