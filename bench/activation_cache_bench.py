@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import demo_model, machine, percentile, write_results
+from bench.common import demo_model, machine, md_table, percentile, write_results
 from kubeshard_proto import pb
 from tests.support.redis_server import RedisServer
 from tests.support.shard_process import ShardProcess, start_shard
@@ -248,13 +248,6 @@ def summarize(r: dict) -> dict:
     return out
 
 
-def _table(header: list[str], rows: list[list], left: tuple[int, ...] = ()) -> list[str]:
-    """A Markdown table; its columns align right but those whose index is in ``left``."""
-    return (["| " + " | ".join(header) + " |",
-             "|" + "|".join("---" if i in left else "---:" for i in range(len(header))) + "|"]
-            + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
-
-
 def render(data: dict) -> str:
     lines = ["# Activation cache: time to first token with a shared prefix", "",
              f"Machine: {data['machine']['cpu']}, {data['machine']['cores']} cores, torch {data['machine']['torch']}; "
@@ -270,35 +263,35 @@ def render(data: dict) -> str:
     for model in data["models"]:
         s = model["summary"]
         lines += [f"## {model['model']}", ""]
-        lines += _table(
+        lines += md_table(
             ["prefix", "computed", "local hit", "Redis hit (fresh server)", "Redis vs computed",
              "Redis / local", "target"],
             [[L, f"{x['computed_ms']:.0f} ms", f"{x['local_ms']:.0f} ms", f"{x['redis_ms']:.0f} ms",
               f"{x['redis_speedup']:.1f}× faster", f"{x['redis_over_local']:.2f}×",
-              "≥ 5× and ≤ 1.5×" if int(L) == 1000 else "—"] for L, x in s.items()], left=(6,))
+              "≥ 5× and ≤ 1.5×" if int(L) == 1000 else "—"] for L, x in s.items()], right=True, left=(6,))
         lines += ["", f"{data['concurrency']} concurrent requests sharing the prefix (TTFT p50 / max):", ""]
-        lines += _table(
+        lines += md_table(
             ["prefix", "computed", "local hit", "Redis hit (fresh server)", "Redis vs computed", "Redis / local"],
             [[L, *(f"{x[f'{case}_16_p50_ms']:.0f} / {x[f'{case}_16_max_ms']:.0f} ms"
                    for case in ("computed", "local", "redis")),
-              f"{x['redis_16_speedup']:.1f}× faster", f"{x['redis_16_over_local']:.2f}×"] for L, x in s.items()])
+              f"{x['redis_16_speedup']:.1f}× faster", f"{x['redis_16_over_local']:.2f}×"] for L, x in s.items()], right=True)
         lines += ["", "The request that populates the cache (paired with a computed one), and what a hit reads:", ""]
-        lines += _table(
+        lines += md_table(
             ["prefix", "populating TTFT", "computed TTFT", "overhead (median of pairs)", "lookup that missed",
              "write in Redis after the first token", "Redis fetch of the prefix", "Redis − local − fetch",
              "prefill tokens saved"],
             [[L, f"{x['populating_ms']:.0f} ms", f"{x['computed_ms']:.0f} ms",
               f"{x['populating_overhead'] * 100:+.1f}%", f"{x['miss_lookup_ms']:.1f} ms",
               f"{x['write_done_ms']:.0f} ms", f"{x['redis_fetch_ms']:.0f} ms", f"{x['redis_rest_ms']:.0f} ms",
-              f"{x['tokens_saved']:.0f}"] for L, x in s.items()])
+              f"{x['tokens_saved']:.0f}"] for L, x in s.items()], right=True)
         lines += ["", "What each phase did (summed over its requests):", ""]
-        lines += _table(
+        lines += md_table(
             ["prefix", "phase", "lookups", "hit blocks", "prefill tokens saved", "timeouts", "Redis errors",
              "local prefix-cache block hits"],
             [[L, name.removesuffix("_phase"),
               *(p.get(k, 0) for k in ("lookups", "hit_blocks", "prefill_tokens_saved", "timeouts",
                                       "redis_errors", "prefix_cache_hits"))]
-             for L, x in s.items() for name, p in x["phases"].items()], left=(1,))
+             for L, x in s.items() for name, p in x["phases"].items()], right=True, left=(1,))
         lines += ["", f"Redis bytes per cached token: {model['bytes_per_token']:.0f} (K and V of every layer, "
                   "float32, plus a 64-byte header per 16-token block). Entries refused on the fresh server: "
                   f"{model['fresh_rejected']}.", ""]

@@ -70,10 +70,11 @@ def write_results(name: str, data: dict, markdown: str) -> None:
     print(markdown)
 
 
-def md_table(header: list[str], rows) -> list[str]:
-    """A Markdown table's lines: the header, its rule, one line a row (cells as text)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows)]
+def md_table(header: list[str], rows, right: bool = False, left: tuple[int, ...] = ()) -> list[str]:
+    """A Markdown table's lines: the header, its rule, one line a row (each cell as
+    ``str``). ``right``: columns align right, but those whose index is in ``left``."""
+    rule = "|" + "".join("---:|" if right and i not in left else "---|" for i in range(len(header)))
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
 def rerender(name: str, render) -> None:
