@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -26,7 +25,7 @@ import time
 import orjson
 import psutil
 
-from bench.common import RESULTS, percentile
+from bench.common import machine, percentile, write_results
 from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from tests.support.processes import Proc
@@ -184,14 +183,16 @@ skips them with the reason and the build command otherwise, and `make test-engin
 
 
 def render(results: dict) -> str:
+    m = results["machine"]
     lines = ["# What the router adds per engine", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; {m['date']}. "
+             f"Command: `{results['command']}`.", "",
              f"One client, {results['pairs']} pairs of streamed greedy completions (`max_tokens` "
              f"{results['max_tokens']}, prompt {results['prompt']!r}) of SmolLM2-135M-Instruct, alternating "
              "straight to the engine and through `kubeshard-router` (`POST /v1/completions`, SSE, no "
              "cache). Direct: the peer engine's own `/v1/completions`, or a shard server's gRPC Generate. "
-             f"Load average at start: {results['load_average_at_start']:.1f} on 2 cores (a shared machine: "
-             "the engines' own times carry that noise; the router's CPU per request does not). "
-             "Reproduce: `python -m bench.backends_bench`.", "",
+             f"Load average at start: {results['load_average_at_start']:.1f} (a shared machine: "
+             "the engines' own times carry that noise; the router's CPU per request does not).", "",
              "| engine | path | TTFT p50 | TTFT p99 | stream p50 | stream p99 |", "|---|---|---|---|---|---|"]
     added_rows = []
     for name, r in results["engines"].items():
@@ -219,11 +220,10 @@ def main() -> None:
     parser.add_argument("--engines", default="kubeshard,onnx,llamacpp,vllm")
     parser.add_argument("--pairs", type=int, default=30)
     args = parser.parse_args()
-    results = bench(args.engines.split(","), args.pairs)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "backends.json").write_text(json.dumps(results, indent=2))
-    (RESULTS / "backends.md").write_text(render(results))
-    print(render(results))
+    results = {"machine": machine(), "command": f"python -m bench.backends_bench --engines {args.engines} "
+                                                 f"--pairs {args.pairs}",
+               **bench(args.engines.split(","), args.pairs)}
+    write_results("backends", results, render(results))
 
 
 if __name__ == "__main__":

@@ -18,19 +18,32 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = cache_root()
 
 
-def machine() -> dict:
-    cpu = "unknown"
+SIMD_FLAGS = ("fma", "f16c", "avx", "avx2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the SIMD flags the kernels and torch choose paths by
+    (machines here differ: one had AVX-512 with BF16, another only AVX2), e.g.
+    ``AMD EPYC (fma f16c avx avx2 avx512f ...)``."""
+    name, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
+    return f"{name} ({' '.join(f for f in SIMD_FLAGS if f in flags) or 'no AVX'})"
+
+
+def machine() -> dict:
     import torch
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def peak_rss_bytes(pid: int) -> int:

@@ -29,7 +29,7 @@ import grpc
 import orjson
 import psutil
 
-from bench.common import CACHE, RESULTS, md_table, percentile
+from bench.common import CACHE, RESULTS, cpu_model, md_table, percentile
 from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_proto import pb, pb_grpc
 from tests.support.processes import Proc, start
@@ -320,8 +320,7 @@ def bench_affinity(replicas: int = 4, systems: int = 8, suffixes: int = 40, kv: 
 
 def environment() -> dict:
     return {"python": sys.version.split()[0], "cpus": os.cpu_count(), "machine": platform.machine(),
-            "cpu_model": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                               if l.startswith("model name")), "?"),
+            "cpu_model": cpu_model(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_at_start": os.getloadavg()}
 
 

@@ -411,14 +411,15 @@ def write(results: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serverless.json").write_text(json.dumps(results, indent=2, default=str))
     lines = ["# Serverless benchmark", "",
-             f"Machine: {results['machine']['cores']} CPUs ({results['machine']['cpu']}), shared with other work. "
+             f"Machine: {results['machine']['cores']} CPUs, shared with other work. "
              "The local control plane of `e2e/cluster` (process-backed node), the chart installed as the e2e "
              f"tests install it; shards in {results.get('dtype')}. Each section says when it ran, the load "
              "average before that run and the command that reproduces it.", ""]
 
     def ran(section: dict) -> list[str]:
         r = section.get("run")
-        return [f"Run {r['date']}, load average {r['load_before']} before it: `{r['command']}`.", ""] if r else []
+        on = f" on {r['cpu']}" if "cpu" in r else ""  # stamps before 2026-12-03 18:00 name no flags
+        return [f"Run {r['date']}{on}, load average {r['load_before']} before it: `{r['command']}`.", ""] if r else []
     for key, title in (("coldstart_tiny", "tiny demo model (llama, random weights)"),
                        ("coldstart_default", f"default model, SmolLM2-135M-Instruct ({results.get('dtype')}; "
                                              "`make run` serves it in float32 on a CPU)")):
@@ -517,7 +518,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     def scenario(key: str, run) -> None:
         """Runs one scenario; its result (or the error that stopped it) is written at once."""
-        stamp = {"date": machine()["date"], "command": results["command"], "load_before": results["load_before"]}
+        stamp = {"date": machine()["date"], "cpu": results["machine"]["cpu"], "command": results["command"],
+                 "load_before": results["load_before"]}
         try:
             results[key] = run()
         except Exception as exc:  # the shared local cluster misbehaving: say so in the results
