@@ -34,6 +34,10 @@ class OperatorConfig:
     # Redis holding the router's per-model keys; None: the finalizer has nothing to clean.
     # The routers' load counters are read from it too (scale to zero).
     redis_url: Optional[str] = None
+    # Bounds on the finalizer's Redis cleanup: per-call timeout, and tries before the
+    # finalizer gives up (with a Warning event) so deletion never blocks forever.
+    redis_timeout: float = 3.0
+    redis_cleanup_tries: int = 3
     # "NAMESPACE/NAME" of the router Service, and the bearer token file of its pods'
     # GET /internal/load: the routers' load asked directly when Redis is away.
     router_service: Optional[str] = None
@@ -41,10 +45,6 @@ class OperatorConfig:
     # Seconds between two reconciles of an InferenceService when nothing happened (events
     # on the object and its children wake the reconciler at once).
     reconcile_interval: float = 10.0
-    # Bounds on the finalizer's Redis cleanup: per-call timeout, and tries before the
-    # finalizer gives up (with a Warning event) so deletion never blocks forever.
-    redis_timeout: float = 3.0
-    redis_cleanup_tries: int = 3
     # Shortest and longest wait between two restarts of the same group (exponential
     # backoff in between), so a model that cannot load does not churn pods.
     group_restart_backoff_min: float = 10.0

@@ -20,6 +20,9 @@ from typing import Optional, Sequence
 
 @dataclass(frozen=True)
 class PodView:
+    """What the reconciler observed of one shard pod: enough to tell readiness, restarts
+    and the problem its status reports."""
+
     name: str
     ready: bool
     restarts: int
@@ -34,6 +37,9 @@ class PodView:
 
 @dataclass(frozen=True)
 class GroupView:
+    """What the reconciler observed of one group: its StatefulSet (index, pod template hash,
+    shard count), its pods, and the restarts its annotations record."""
+
     index: int
     template_hash: str
     shards: int

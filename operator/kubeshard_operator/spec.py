@@ -99,6 +99,9 @@ _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 @dataclass(frozen=True)
 class SecretKeyRef:
+    """spec.model.tokenSecretRef: the key of a Secret in the service's namespace that holds
+    the hub token, given to the download init container as HF_TOKEN (hf:// sources)."""
+
     name: str
     key: str
 
@@ -134,6 +137,8 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Sharding:
+    """spec.sharding: how each group splits the model (tensor or zero3) over its shards."""
+
     strategy: str
     shards: int
 
@@ -630,9 +635,9 @@ def _enum(d: Mapping[str, Any], key: str, where: str, allowed: tuple[str, ...],
 
 def _quantity(d: Mapping[str, Any], key: str, where: str) -> Optional[str]:
     value = d.get(key)
-    if value is None or value == "":
+    text = "" if value is None else str(value)  # 2 or "2": YAML gives either
+    if not text:
         return None
-    text = str(value)
     try:
         amount = parse_quantity(text)
     except ValueError:

@@ -26,6 +26,9 @@ class RouterConfig:
     kubernetes: bool = False
     namespace: Optional[str] = None
     default_model: Optional[str] = None
+    # How models write tool calls (vLLM's --tool-call-parser): auto (each model's chat
+    # template says: <tool_call>, <|python_tag|>, [TOOL_CALLS]), hermes, llama3_json, mistral
+    tool_call_parser: str = "auto"
 
     # Redis: response cache, load counters, rate limits. None disables all three
     # (rate limits then apply per router instance only).
@@ -50,9 +53,6 @@ class RouterConfig:
     # A load's lora_path must lie under lora_root (a folder as the shard pods see it).
     allow_runtime_lora: bool = False
     lora_root: Optional[str] = None
-    # How models write tool calls (vLLM's --tool-call-parser): auto (each model's chat
-    # template says: <tool_call>, <|python_tag|>, [TOOL_CALLS]), hermes, llama3_json, mistral
-    tool_call_parser: str = "auto"
 
     # Backpressure and activation.
     max_queue_per_model: int = 1024
@@ -70,7 +70,7 @@ class RouterConfig:
     # Validation limits (the engine's own limits come from Info).
     max_top_n_tokens: int = 5
     max_stop_sequences: int = 4
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = 8 << 20  # 8 MiB
 
     # Balancing: prefix affinity on the first `affinity_blocks` full KV blocks.
     affinity_blocks: int = 4

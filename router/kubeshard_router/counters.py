@@ -44,8 +44,8 @@ log = logging.getLogger("kubeshard.router.counters")
 class ModelLoad:
     model: str
     revision: str
-    in_flight: int
-    queued: int
+    in_flight: int = 0
+    queued: int = 0
     tokens_in_flight: int = 0
     tokens_per_second: float = 0.0
     last_request_at: float = 0.0

@@ -46,6 +46,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class Child:
+    """One process the local launcher started (a rank or the router), with its output
+    relayed line by line and the ready line it printed, once it has."""
+
     name: str
     proc: subprocess.Popen
     ready: threading.Event = field(default_factory=threading.Event)
@@ -55,7 +58,8 @@ class Child:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """What every group runs: the engine config, the strategy and shard count."""
+    """What every group runs: the engine config, the strategy and shard count, the log level
+    and the threads of each rank; ``commands`` gives each rank's command line."""
 
     config: EngineConfig
     strategy: str

@@ -92,6 +92,9 @@ class StubBehaviour:
 
 @dataclass
 class StubCounters:
+    """What the stub saw: Generate calls, those running now, cancelled and completed, and
+    (with keep_requests) each request as it came."""
+
     generate_calls: int = 0
     active: int = 0
     cancelled: int = 0

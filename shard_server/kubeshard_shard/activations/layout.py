@@ -50,6 +50,9 @@ def root_tag(root: int) -> str:
 
 @dataclass(frozen=True)
 class KVLayout:
+    """Everything that decides the bytes of one rank's KV block: the parts of its Redis key
+    and the shape of the tensor it stores."""
+
     model: str
     revision: str
     dtype: torch.dtype

@@ -90,6 +90,9 @@ class TokenOutput:
 
 @dataclass
 class EngineStats:
+    """One snapshot of an engine for Stats and /metrics: its queues, its KV blocks and
+    prefix cache, its step and token totals, and per lane, adapter and cache details."""
+
     waiting: int = 0
     running: int = 0
     kv_blocks_total: int = 0
