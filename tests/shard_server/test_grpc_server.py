@@ -93,6 +93,34 @@ def test_info_health_and_metrics(server):
         assert name in body, name
 
 
+def requests_by_outcome(server) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    counts = {}
+    for line in body.splitlines():
+        if line.startswith("kubeshard_engine_requests_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            counts[outcome] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_every_request_is_counted_once_by_its_outcome(server):
+    """A client closes its stream on the last token: the request still counts as finished
+    (and one it abandons mid-stream as cancelled), each exactly once."""
+    stub = server.stub()
+    before = requests_by_outcome(server)
+    for i in range(5):
+        assert len(collect(stub, request(ids=[10 + i, 11, 12], n=4))) == 4
+    call = stub.Generate(request(ids=list(range(10, 60)), n=500), timeout=60)
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and requests_by_outcome(server).get("cancelled", 0) == before.get("cancelled", 0):
+        time.sleep(0.05)
+    after = requests_by_outcome(server)
+    assert after.get("finished", 0) - before.get("finished", 0) == 5
+    assert after.get("cancelled", 0) - before.get("cancelled", 0) == 1
+
+
 def test_cancelled_stream_frees_its_kv_blocks(server):
     stub = server.stub()
     call = stub.Generate(request(ids=list(range(10, 300)), n=700), timeout=120)

@@ -206,14 +206,16 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         first = None
-        last = None
         generated = 0
+        finished = False
         try:
             async for out in self.engine.generate(request.request_id, prompt, params):
                 if first is None:
                     first = time.monotonic()
-                last = out
                 generated += 1
+                if out.done:  # counted before the last message: the client may close the stream on it
+                    finished = True
+                    self._finished(started, first, generated / params.n, out)
                 yield token_message(out)
         except EngineOverloaded as exc:
             self._count("overloaded")
@@ -224,15 +226,21 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         except EngineFailed as exc:
             self._count("failed")
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        if self.metrics is not None and last is not None and last.done:
-            done = time.monotonic()
-            self.metrics.ttft.observe(first - started)
-            self.metrics.e2e.observe(done - started)
-            per_sequence = generated / params.n
-            if per_sequence > 1:
-                self.metrics.tpot.observe((done - first) / (per_sequence - 1))
-            self.metrics.prompt_tokens.inc(last.finish.prompt_tokens)
-            self._count("finished")
+        except asyncio.CancelledError:  # the client went away (or its deadline passed) mid-stream
+            if not finished:
+                self._count("cancelled")
+            raise
+
+    def _finished(self, started: float, first: float, per_sequence: float, last: TokenOutput) -> None:
+        if self.metrics is None:
+            return
+        done = time.monotonic()
+        self.metrics.ttft.observe(first - started)
+        self.metrics.e2e.observe(done - started)
+        if per_sequence > 1:
+            self.metrics.tpot.observe((done - first) / (per_sequence - 1))
+        self.metrics.prompt_tokens.inc(last.finish.prompt_tokens)
+        self._count("finished")
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
