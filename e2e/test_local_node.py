@@ -1,8 +1,9 @@
 """What the local node gives a pod: volumes, environment, probes, init containers, logs.
 
-Kubernetes semantics, so they also hold on kind; the checks that need the repo's
-Python packages inside the pod (the kubernetes client, grpcio) run on the local
-cluster only, where `python:3*` pods use the repo's virtual environment.
+Kubernetes semantics, so they also hold on kind and on the local cluster's real node;
+the checks that need the repo's Python packages inside the pod (the kubernetes client,
+grpcio) run on the process-backed node only, where `python:3*` pods use the repo's
+virtual environment (the images of kind and of the real node are Python alone).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def test_volumes_and_environment(cluster: Cluster, namespace: str):
     assert result["shm_write"] == "memory"
     assert result["shm_is_tmpfs"] is True, f"emptyDir medium Memory is not tmpfs: {result['shm_is_tmpfs']}"
     assert result["hostname"] == "inspect"
-    if cluster.is_local:
+    if cluster.process_node:
         assert result["whoami"] == f"system:serviceaccount:{namespace}:default"
 
 
@@ -169,8 +170,8 @@ def test_probes_drive_readiness_and_restarts(cluster: Cluster, namespace: str):
 
 
 def test_grpc_probe(cluster: Cluster, namespace: str):
-    if not cluster.is_local:
-        pytest.skip("the python image on kind has no grpcio")
+    if not cluster.process_node:
+        pytest.skip("the python image of kind and of the real node has no grpcio")
     server = textwrap.dedent("""
         from concurrent import futures
         import grpc
@@ -245,8 +246,8 @@ def test_volume_over_a_parent_of_the_repository_keeps_the_programs_visible(clust
     """An emptyDir over a parent of the repository (the chart mounts one at /tmp, and a
     clone may live under /tmp) shows an empty volume, yet the container still runs from
     the repository's virtual environment, which the launcher binds back on top."""
-    if not cluster.is_local:
-        pytest.skip("only the local node runs containers from the host's repository")
+    if not cluster.process_node:
+        pytest.skip("only the process-backed node runs containers from the host's repository")
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]

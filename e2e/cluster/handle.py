@@ -51,6 +51,13 @@ class Cluster:
         """The local cluster's node is the real kubelet (logs and exec through the API)."""
         return self.local_config is not None and self.local_config.runtime == "containerd"
 
+    @property
+    def process_node(self) -> bool:
+        """The local cluster's process-backed node: its ``python:3*`` pods run the
+        repository's virtual environment (the kubernetes client, grpcio, kubeshard), where
+        kind's and the real node's images are Python alone."""
+        return self.is_local and not self._real_node
+
     def __repr__(self) -> str:
         return f"Cluster(kubeconfig={self.kubeconfig!r}, is_local={self.is_local})"
 
