@@ -104,8 +104,8 @@ def requests_by_outcome(server) -> dict[str, float]:
 
 
 def test_every_request_is_counted_once_by_its_outcome(server):
-    """A client closes its stream on the last token: the request still counts as finished
-    (and one it abandons mid-stream as cancelled), each exactly once."""
+    """Requests read to the end count as finished, and one the client abandons mid-stream
+    as cancelled, each exactly once."""
     stub = server.stub()
     before = requests_by_outcome(server)
     for i in range(5):
