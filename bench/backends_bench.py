@@ -25,7 +25,7 @@ import time
 import orjson
 import psutil
 
-from bench.common import machine, percentile, write_results
+from bench.common import machine, write_results
 from bench.router_load import DirectGRPC, RawHTTP, Sample, summary_ms
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from tests.support.processes import Proc

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
