@@ -13,11 +13,6 @@ export KUBESHARD_CACHE
 STAMP := $(VENV)/.kubeshard-installed
 PACKAGES := proto/pyproject.toml shard_server/pyproject.toml router/pyproject.toml operator/pyproject.toml
 
-# The local cluster's node: "containerd" (the real kubelet, containerd, runc, CNI) or
-# "process" (the process-backed node agent).
-KUBESHARD_NODE_RUNTIME ?= process
-export KUBESHARD_NODE_RUNTIME
-
 .PHONY: help install system-deps run test test-unit test-e2e test-engines engines bench proto k8s-tools node-tools images cluster cluster-down e2e-kind clean
 
 help: ## list targets
@@ -43,7 +38,7 @@ system-deps: ## install the system packages tests need (redis-server, iproute2, 
 run: install ## serve SmolLM2-135M-Instruct on http://127.0.0.1:8080 (extra flags: make run ARGS="--port 9000")
 	$(VENV)/bin/kubeshard serve $(ARGS)
 
-test: install k8s-tools ## run every test (unit, integration, end-to-end)
+test: install k8s-tools images ## run every test (unit, integration, end-to-end on a real kubelet with containerd)
 	$(PY) -m pytest tests e2e
 
 test-unit: install k8s-tools ## run the tests that need no Kubernetes control plane (helm, from k8s-tools, renders the chart)
@@ -57,7 +52,7 @@ engines: ## build (or reuse) the peer engines' environments: llama.cpp (compiles
 	hack/engines.sh vllm
 	hack/engines.sh onnx
 
-test-e2e: install k8s-tools ## run the end-to-end tests on the local control plane
+test-e2e: install k8s-tools images ## run the end-to-end tests on the local cluster (real kubelet, containerd)
 	$(PY) -m pytest e2e
 
 bench: install ## run the benchmarks; results go to bench/results/
@@ -77,7 +72,7 @@ node-tools: ## build (or reuse) the real node's tools: runc wrapper, pause, cric
 images: node-tools ## build (or reuse) the container images, saved under $KUBESHARD_CACHE/images
 	hack/images.sh
 
-cluster: install k8s-tools ## start the local control plane in the background
+cluster: install k8s-tools images ## start the local cluster (control plane, kubelet, containerd) in the background
 	$(PY) -m e2e.cluster up
 
 cluster-down: ## stop the local control plane

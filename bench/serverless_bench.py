@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ import httpx
 import yaml
 
 from bench.common import RESULTS, machine, percentile
-from e2e.operator.conftest import CHART, CRDS, INSTALL_VALUES, RELEASE, inference_service, node_values
+from e2e.operator.conftest import CHART, CRDS, INSTALL_VALUES, RELEASE, inference_service
 from e2e.waiting import wait_for
 from kubeshard_shard.paths import cache_root
 from tests.support.sse import sse_data, sse_events
@@ -65,7 +64,7 @@ class Bench:
         c.kubectl("apply", "--server-side", "-f", str(CRDS))
         c.kubectl("create", "namespace", self.release_ns)
         c.kubectl("create", "namespace", self.ns)
-        c.helm("install", RELEASE, str(CHART), "-n", self.release_ns, *INSTALL_VALUES, *node_values(c),
+        c.helm("install", RELEASE, str(CHART), "-n", self.release_ns, *INSTALL_VALUES,
                "--wait", "--timeout", "5m", timeout=360)
         c.kubectl("wait", "--for=condition=Available", "apiservice/v1beta2.custom.metrics.k8s.io",
                   "--timeout=180s", timeout=190)
@@ -412,7 +411,8 @@ def write(results: dict) -> None:
     (RESULTS / "serverless.json").write_text(json.dumps(results, indent=2, default=str))
     lines = ["# Serverless benchmark", "",
              f"Machine: {results['machine']['cores']} CPUs, shared with other work. "
-             "The local control plane of `e2e/cluster` (process-backed node), the chart installed as the e2e "
+             "The local cluster of `e2e/cluster` (a real kubelet with containerd since 2026-12-04; the "
+             "process-backed node before), the chart installed as the e2e "
              f"tests install it; shards in {results.get('dtype')}. Each section says when it ran, the load "
              "average before that run and the command that reproduces it.", ""]
 

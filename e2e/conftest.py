@@ -4,19 +4,17 @@ Fixture API (a contract: other tests code against it)
 ----------------------------------------------------
 
 ``cluster`` (session scope) -> ``e2e.cluster.Cluster``
-    Starts the local process-backed cluster once per session (or joins one that is
+    Starts the local cluster once per session (or joins one that is
     already up, e.g. from ``make cluster``; a cluster pytest started is stopped when the
     last session using it ends). If ``KUBESHARD_E2E_KUBECONFIG`` is set, uses that
     cluster instead (kind, or any other) and starts nothing. A cluster this session
-    starts has ``KUBESHARD_CLUSTER_NODES`` nodes (default 1) advertising
-    ``KUBESHARD_CLUSTER_GPUS`` fake ``nvidia.com/gpu`` each (default 0); its node is
-    the process-backed agent, or the real kubelet with containerd when
-    ``KUBESHARD_NODE_RUNTIME=containerd`` (one node; see README).
+    starts has one node, the real kubelet with containerd and runc (see README),
+    advertising ``KUBESHARD_CLUSTER_GPUS`` fake ``nvidia.com/gpu`` (default 0).
 
     cluster.kubeconfig        path (str) of an admin kubeconfig
     cluster.bin_dir           Path of the folder holding kubectl and helm
-    cluster.is_local          True for the local cluster (either node)
-    cluster.local_config      its ClusterConfig (``.runtime``: "process" | "containerd"), else None
+    cluster.is_local          True for the local cluster
+    cluster.local_config      its ClusterConfig, else None
     cluster.kubectl(*args, input=None, check=True, timeout=60) -> subprocess.CompletedProcess
     cluster.helm(*args, check=True, timeout=300)               -> subprocess.CompletedProcess
         text mode, output captured; with check, a non-zero exit raises
@@ -26,10 +24,9 @@ Fixture API (a contract: other tests code against it)
         the container's log ("" when it has none yet); container defaults to the
         pod's default container.
     cluster.exec(namespace, pod, *argv, container=None, check=True, timeout=60)
-        run a command in a running container (process-backed node: nsenter; else
-        kubectl exec).
-    cluster.pod_pids(namespace, pod) -> list[int]   (local only) live container pids
-        (real node: from the CRI).
+        run a command in a running container (kubectl exec).
+    cluster.pod_pids(namespace, pod) -> list[int]   (local only) live container pids,
+        from the CRI.
 
 ``namespace`` (function scope) -> str
     A fresh namespace (``e2e-<test name>-<random>``) whose ``default`` service
@@ -41,9 +38,9 @@ value (returned), and on timeout raises AssertionError naming ``what`` and the l
 value or exception seen.
 
 On the local cluster, the host reaches pod IPs directly (as a node does), Services are
-reachable from pods by DNS name, and pods run as local processes or, on the real node,
-as containers of the images hack/images.sh builds (see README, "Local Kubernetes
-control plane", for both and what differs from a real cluster).
+reachable from pods by DNS name, and pods run as containers of the images hack/images.sh
+builds (see README, "Local Kubernetes control plane", for what differs from a real
+cluster).
 """
 
 from __future__ import annotations
@@ -75,8 +72,7 @@ def cluster():
     from e2e.cluster.sharing import acquire, release
 
     # Sizes apply when this session starts the cluster (a running one is joined as is).
-    local, handle = acquire(nodes=int(os.environ.get("KUBESHARD_CLUSTER_NODES", "1")),
-                            node_gpus=int(os.environ.get("KUBESHARD_CLUSTER_GPUS", "0")))
+    local, handle = acquire(node_gpus=int(os.environ.get("KUBESHARD_CLUSTER_GPUS", "0")))
     try:
         yield handle
     finally:

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
+
+import yaml
 
 from e2e.cluster import Cluster
 from e2e.waiting import wait_for
+
+CHART = Path(__file__).resolve().parents[1] / "charts" / "kubeshard" / "Chart.yaml"
+
+
+def project_image(component: str) -> str:
+    """The image of one of kubeshard's parts ("operator", "router", "shard-server") as
+    the chart names it: hack/images.sh builds it, `make e2e-kind` loads it into kind."""
+    return f"ghcr.io/kubeshard/{component}:{yaml.safe_load(CHART.read_text())['appVersion']}"
 
 
 def apply(cluster: Cluster, namespace: str | None, *manifests: str, check: bool = True):

@@ -1,10 +1,11 @@
 """`python -m e2e.cluster up|down|status` — the local cluster from a shell.
 
 up      start it in the background (or keep the running one); prints the kubeconfig path
-down    stop it and remove every process, namespace, bridge, nft table and mountpoint
+down    stop it and remove every process, pod, interface, nft table, iptables chain,
+        mount and cgroup
 status  print what runs, as JSON
 measure start a cluster, report its start time and idle memory (markdown), stop it
-Options of `up`: --nodes N, --gpus N (fake nvidia.com/gpu per node), --state-dir DIR.
+Options of `up`: --gpus N (fake nvidia.com/gpu on the node), --state-dir DIR.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["up", "down", "status", "measure"])
     parser.add_argument("--state-dir", type=Path, default=None)
-    parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "up":
         start = time.monotonic()
-        cluster, handle = acquire(args.state_dir, persistent=True, nodes=args.nodes, node_gpus=args.gpus)
+        cluster, handle = acquire(args.state_dir, persistent=True, node_gpus=args.gpus)
         print(f"local cluster up in {time.monotonic() - start:.1f} s; kubeconfig:", file=sys.stderr)
         print(handle.kubeconfig)
         return 0
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(cluster: LocalCluster, idle_s: float = 60.0) -> str:
     """Warm start time and idle resident memory of every control-plane process."""
     from . import controlplane, processes
-    from .local import addons
+    from .local import ADDONS
 
     if cluster.is_running():
         raise SystemExit("a cluster is running in this state dir: `down` it first")
@@ -59,9 +59,9 @@ def measure(cluster: LocalCluster, idle_s: float = 60.0) -> str:
     time.sleep(idle_s)
     rows, total = [], 0
     assert cluster.config is not None
-    for name in controlplane.COMPONENTS + addons(cluster.config):
+    for name in controlplane.COMPONENTS + ADDONS:
         pid = processes.running(name, cluster.config.pid_dir)
-        # Resident set of the process alone (the node agent's pods are not the node).
+        # Resident set of the process alone (the pods are not the node).
         rss_kib = int(next(line.split()[1] for line in open(f"/proc/{pid}/status")
                            if line.startswith("VmRSS:")))
         total += rss_kib

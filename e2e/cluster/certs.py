@@ -175,9 +175,8 @@ def _client_identities(config: ClusterConfig) -> dict[str, tuple[str, tuple[str,
         "controller-manager": ("system:kube-controller-manager", ()),
         "scheduler": ("system:kube-scheduler", ()),
         "kube-proxy": ("system:kube-proxy", ()),
+        "kube-router": ("system:kube-router", ()),  # the node's NetworkPolicy engine
     }
-    if config.runtime == "containerd":  # the real node's NetworkPolicy engine
-        ids["kube-router"] = ("system:kube-router", ())
     for node in config.node_specs:
         ids[f"node-{node.name}"] = (f"system:node:{node.name}", ("system:nodes",))
     return ids

@@ -1,9 +1,9 @@
 """The shape of one local cluster: addresses, ports, node sizes and where state lives.
 
-Everything the components, the node agent and the DNS server must agree on is computed
-here once and handed down, so no module invents an address of its own. Pod and Service
-addresses live only on the harness's bridge and in the network namespaces it creates;
-the control plane listens on 127.0.0.1 only.
+Everything the components, the node (kubelet, containerd, CNI) and the DNS server must
+agree on is computed here once and handed down, so no module invents an address of its
+own. Pod and Service addresses live only on the node's interface and in the pods'
+network namespaces.
 """
 
 from __future__ import annotations
@@ -17,16 +17,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 CLUSTER_DOMAIN = "cluster.local"
-BRIDGE = "ksbr0"
-VETH_PREFIX = "ksv"  # host ends of pod veth pairs
-NFT_TABLE = "kubeshard"
-# argv[0] of every pod sandbox process, so a teardown after a crash can still find them.
-PAUSE_MARKER = "kubeshard-pause-"
 
 
 @dataclasses.dataclass(frozen=True)
 class NodeSpec:
-    """One process-backed node: its name, pod CIDR and what it advertises."""
+    """The node: its name, pod CIDR and what it advertises."""
 
     name: str
     pod_cidr: str
@@ -37,14 +32,8 @@ class NodeSpec:
 
     @property
     def gateway(self) -> str:
-        """The node's address: the first IP of its pod CIDR, on the bridge."""
+        """The node's address: the first IP of its pod CIDR, on the node's interface."""
         return str(next(ipaddress.ip_network(self.pod_cidr).hosts()))
-
-
-# What runs the pods: "process" is the process-backed node agent (e2e/cluster/node/);
-# "containerd" is the real kubelet with containerd, runc and the CNI ptp plugin
-# (e2e/cluster/kubelet/).
-RUNTIMES = ("process", "containerd")
 
 
 def _under_state_dir(name: str) -> property:
@@ -56,7 +45,6 @@ def _under_state_dir(name: str) -> property:
 class ClusterConfig:
     state_dir: Path
     bin_dir: Path
-    runtime: str = "process"
     instance: int = 0
     nodes: int = 1
     node_cpu: str = "16"
@@ -103,8 +91,8 @@ class ClusterConfig:
     def for_instance(cls, instance: int, **fields) -> "ClusterConfig":
         """Cluster number `instance` on this machine: instance 0 has the defaults; each
         further one shifts every port by 1000 and the pod and Service ranges by one in
-        the second octet, so two clusters (say, a process-backed one and a real node)
-        can run side by side."""
+        the second octet, so the ranges of two state dirs never overlap (one node, though,
+        runs per machine: the kubelet's ports are its own)."""
         if instance == 0:
             return cls(**fields)
         shifted = {f.name: getattr(cls, f.name) + 1000 * instance for f in dataclasses.fields(cls)
@@ -116,7 +104,7 @@ class ClusterConfig:
 
     @property
     def advertise_address(self) -> str:
-        """Where pods reach the API server: node 0's gateway (DNAT'd to 127.0.0.1)."""
+        """Where pods reach the API server: the node's address (the API server listens on it)."""
         return self.node_specs[0].gateway
 
     @property
@@ -135,14 +123,13 @@ class ClusterConfig:
     pki_dir = _under_state_dir("pki")
     log_dir = _under_state_dir("logs")
     pid_dir = _under_state_dir("pids")
-    pods_dir = _under_state_dir("pods")
     kubeconfig = _under_state_dir("kubeconfig")
     config_file = _under_state_dir("cluster.json")
 
     def component_kubeconfig(self, name: str) -> Path:
         return self.state_dir / "kubeconfigs" / f"{name}.kubeconfig"
 
-    # ---- persistence: the node agent and DNS processes read the same config --------
+    # ---- persistence: the DNS process reads the same config ------------------------
     @property
     def run_dir(self) -> Path:
         """Sockets and runtime state of the real node: short paths (a unix socket path
@@ -160,6 +147,9 @@ class ClusterConfig:
     @classmethod
     def load(cls, path: Path) -> "ClusterConfig":
         data = json.loads(Path(path).read_text())
+        # a state dir written by an older harness may hold fields this one dropped
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
         data["state_dir"] = Path(data["state_dir"])
         data["bin_dir"] = Path(data["bin_dir"])
         return cls(**data)

@@ -42,10 +42,9 @@ def _apiserver(c: ClusterConfig, pki: Pki) -> list[str]:
     return [
         str(c.bin_dir / "kube-apiserver"),
         f"--etcd-servers=http://127.0.0.1:{c.etcd_client_port}",
-        # Pods reach the API at the advertised address: on the process-backed node
-        # hostnet DNATs it to 127.0.0.1; on the real node the API server listens on it
-        # too (the node's nft table admits only pods and the host).
-        f"--bind-address={'0.0.0.0' if c.runtime == 'containerd' else '127.0.0.1'}",
+        # Pods reach the API at the advertised address, the node's: the API server
+        # listens on it too (the node's nft table admits only pods and the host).
+        "--bind-address=0.0.0.0",
         f"--secure-port={c.apiserver_port}",
         f"--advertise-address={c.advertise_address}",
         f"--service-cluster-ip-range={c.service_cidr}",
@@ -100,10 +99,9 @@ def _controller_manager(c: ClusterConfig, pki: Pki) -> list[str]:
         f"--requestheader-client-ca-file={pki.front_proxy_ca.cert}",
         f"--client-ca-file={pki.ca.cert}",
         f"--service-cluster-ip-range={c.service_cidr}", f"--cluster-cidr={c.cluster_cidr}",
-        # The node agent sets its own spec.podCIDR; the real kubelet's comes from here
-        # (node i gets the i-th /24 of the cluster CIDR, as node_specs computes).
-        *(["--allocate-node-cidrs=true", "--node-cidr-mask-size=24"] if c.runtime == "containerd"
-          else ["--allocate-node-cidrs=false"]),
+        # The kubelet's spec.podCIDR comes from here (node i gets the i-th /24 of the
+        # cluster CIDR, as node_specs computes).
+        "--allocate-node-cidrs=true", "--node-cidr-mask-size=24",
         "--configure-cloud-routes=false",
         "--horizontal-pod-autoscaler-sync-period=5s",
         "--node-monitor-period=5s",
@@ -118,9 +116,8 @@ def write_kubeconfigs(c: ClusterConfig, pki: Pki) -> None:
     ca = pki.ca.cert
     write_kubeconfig(c.kubeconfig, c.apiserver_url, ca, pki.clients["admin"], "kubernetes-admin")
     names = [("controller-manager", "system:kube-controller-manager"),
-             ("scheduler", "system:kube-scheduler"), ("kube-proxy", "system:kube-proxy")]
-    if c.runtime == "containerd":
-        names.append(("kube-router", "system:kube-router"))
+             ("scheduler", "system:kube-scheduler"), ("kube-proxy", "system:kube-proxy"),
+             ("kube-router", "system:kube-router")]
     for name, user in names:
         write_kubeconfig(c.component_kubeconfig(name), c.apiserver_url, ca, pki.clients[name], user)
     for node in c.node_specs:

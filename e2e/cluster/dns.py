@@ -29,7 +29,7 @@ from dnslib import CNAME, QTYPE, RCODE, RR, SRV, A, DNSLabel, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from .config import CLUSTER_DOMAIN, ClusterConfig
-from .node.api import Api, informer
+from .api import Api, informer
 
 TTL = 5
 log = logging.getLogger("kubeshard.dns")
@@ -159,9 +159,9 @@ def serve(config: ClusterConfig, stop: threading.Event) -> None:
                          name=f"watch{path}").start()
     resolver = ClusterResolver(index)
     quiet = DNSLogger("-request,-reply,-truncated,-error,-recv,-send,-data")
-    # The real node's pods reach it at the node's address (kube-dns's endpoint; the node's
-    # nft table admits only pods and the host); the process-backed node DNATs to loopback.
-    address = "0.0.0.0" if config.runtime == "containerd" else "127.0.0.1"
+    # Pods reach it at the node's address (kube-dns's endpoint; the node's nft table
+    # admits only pods and the host).
+    address = "0.0.0.0"
     servers = [DNSServer(resolver, port=config.dns_port, address=address, tcp=tcp, logger=quiet)
                for tcp in (False, True)]
     for s in servers:

@@ -1,14 +1,10 @@
 """LocalCluster: the whole local Kubernetes cluster, started and stopped as one thing.
 
-Start order: host network, etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler, the node (the process-backed agents, or the real node: containerd and
-the kubelet, which register Nodes), kube-proxy, cluster DNS. Stop is the reverse, then
-every leftover is swept by name (pod sandboxes, container processes, shims, the bridge
-or the node's interfaces, nft tables and iptables chains, mounts, cgroups), so `down`
-also cleans up after a crash.
-
-The runtime is "process" or "containerd" (ClusterConfig.RUNTIMES): the argument, else
-$KUBESHARD_NODE_RUNTIME, else the default below.
+Start order: the node's network, etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler, the node (containerd and the kubelet, which registers the Node; then
+kube-router's NetworkPolicy firewall), kube-proxy, cluster DNS. Stop is the reverse,
+then every leftover is swept by name (pod sandboxes, shims, the node's interfaces, nft
+tables and iptables chains, mounts, cgroups), so `down` also cleans up after a crash.
 
 Sharing one cluster between pytest sessions is in sharing.py.
 """
@@ -26,31 +22,17 @@ from pathlib import Path
 
 from dnslib import DNSRecord
 
-from . import controlplane, hostnet, processes
+from . import controlplane, processes
+from .api import Api, ApiError
 from .certs import Pki
-from .config import PAUSE_MARKER, REPO_ROOT, RUNTIMES, ClusterConfig, default_state_dir
+from .config import REPO_ROOT, ClusterConfig, default_state_dir
 from .controlplane import StartupError, wait_healthy
 from .handle import Cluster
-from .node.api import Api, ApiError
 from .kubelet import RealNode
-from .node.volumes import remove_all_created
 from .tools import find_bin_dir
 
-DEFAULT_RUNTIME = "process"
-PROCESS_ADDONS = ("node-agent", "kube-proxy", "cluster-dns")
-CONTAINERD_ADDONS = ("containerd", "kubelet", "network-policy", "kube-proxy", "cluster-dns")
-ADDONS = PROCESS_ADDONS  # the default runtime's
-
-
-def addons(c: ClusterConfig) -> tuple[str, ...]:
-    return CONTAINERD_ADDONS if c.runtime == "containerd" else PROCESS_ADDONS
-
-
-def default_runtime() -> str:
-    runtime = os.environ.get("KUBESHARD_NODE_RUNTIME", DEFAULT_RUNTIME)
-    if runtime not in RUNTIMES:
-        raise ValueError(f"KUBESHARD_NODE_RUNTIME={runtime!r}: must be one of {', '.join(RUNTIMES)}")
-    return runtime
+# The processes beside the control plane (controlplane.COMPONENTS), in start order.
+ADDONS = ("containerd", "kubelet", "network-policy", "kube-proxy", "cluster-dns")
 KUBE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy",
                  "kubelet", "containerd")
 PYTHON = str(REPO_ROOT / ".venv" / "bin" / "python") if (REPO_ROOT / ".venv" / "bin" / "python").exists() \
@@ -58,14 +40,14 @@ PYTHON = str(REPO_ROOT / ".venv" / "bin" / "python") if (REPO_ROOT / ".venv" / "
 
 
 class LocalCluster:
-    """A process-backed cluster whose state lives in `state_dir` (default .cache/cluster)."""
+    """The local cluster (control plane and one real node), its state in `state_dir`
+    (default .cache/cluster)."""
 
     def __init__(self, state_dir: Path | None = None, *, nodes: int = 1, node_gpus: int = 0,
                  node_cpu: str = "16", node_memory: str = "64Gi", bin_dir: Path | None = None,
-                 runtime: str | None = None, instance: int | None = None) -> None:
+                 instance: int | None = None) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
-        self._options = dict(nodes=nodes, node_gpus=node_gpus, node_cpu=node_cpu, node_memory=node_memory,
-                             runtime=runtime or default_runtime())
+        self._options = dict(nodes=nodes, node_gpus=node_gpus, node_cpu=node_cpu, node_memory=node_memory)
         self._instance = int(os.environ.get("KUBESHARD_CLUSTER_INSTANCE", "0")) if instance is None else instance
         self._bin_dir = bin_dir
         self.config: ClusterConfig | None = None
@@ -78,7 +60,7 @@ class LocalCluster:
         c = self.config
         if c is None:
             return False
-        names = controlplane.COMPONENTS + addons(c)
+        names = controlplane.COMPONENTS + ADDONS
         if any(processes.running(n, c.pid_dir) is None for n in names):
             return False
         try:
@@ -100,34 +82,24 @@ class LocalCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         c = ClusterConfig.for_instance(self._instance, state_dir=self.state_dir, bin_dir=bin_dir,
                                        **self._options)
-        real_node = RealNode(c) if c.runtime == "containerd" else None
-        if real_node is not None:
-            real_node.prepare()  # builds images and tools the first time: minutes
+        real_node = RealNode(c)
+        real_node.prepare()  # builds images and tools the first time: minutes
         self.config = c
-        for stale in (c.state_dir / "etcd", c.pods_dir, c.log_dir):
+        for stale in (c.state_dir / "etcd", c.log_dir):
             shutil.rmtree(stale, ignore_errors=True)
         c.state_dir.mkdir(parents=True, exist_ok=True)
         c.save()
         try:
             pki = Pki.load_or_create(c)
-            if real_node is None:
-                hostnet.setup(c)
-            else:
-                real_node.network_setup()
+            real_node.network_setup()
             controlplane.start(c, pki, timeout=timeout)
             api = Api(c.kubeconfig)
             _create_dns_service(api, c)
-            if real_node is None:
-                self._spawn_python("node-agent", "e2e.cluster.node")
-                waiter = "node-agent"
-            else:
-                real_node.start(pki, self._spawn, timeout)
-                waiter = "kubelet"
+            real_node.start(pki, self._spawn, timeout)
             for node in c.node_specs:
-                wait_healthy(waiter, lambda n=node.name: _node_ready(api, n), c, timeout)
-            if real_node is not None:
-                real_node.advertise_gpus(api)
-                real_node.start_network_policy(api, self._spawn, timeout)
+                wait_healthy("kubelet", lambda n=node.name: _node_ready(api, n), c, timeout)
+            real_node.advertise_gpus(api)
+            real_node.start_network_policy(api, self._spawn, timeout)
             self._spawn("kube-proxy", _kube_proxy_argv(c))
             wait_healthy("kube-proxy", lambda: _kube_proxy_synced(c), c, timeout)
             self._spawn_python("cluster-dns", "e2e.cluster.dns")
@@ -158,26 +130,6 @@ class LocalCluster:
         c = self.config
         if c is None:
             return []
-        if c.runtime == "containerd":
-            return self._down_real_node(c)
-        # The node agent first: it stops pods gracefully while the API server still runs.
-        processes.stop("node-agent", c.pid_dir, timeout=30.0)
-        for name in ("kube-proxy", "cluster-dns"):
-            processes.stop(name, c.pid_dir, timeout=10.0)
-        controlplane.stop(c)
-        _kill_container_processes(c)
-        for pid in processes.find_by_argv0_prefix(PAUSE_MARKER):
-            processes.terminate(pid, timeout=0.0)
-        hostnet.teardown(c)  # also the veths of the sandboxes just killed
-        left = remove_all_created(c.state_dir / "mountpoints.txt")
-        shutil.rmtree("/dev/shm/kubeshard", ignore_errors=True)
-        for pod in c.pods_dir.glob("*/volumes"):
-            shutil.rmtree(pod, ignore_errors=True)
-        shutil.rmtree(c.state_dir / "etcd", ignore_errors=True)
-        (c.state_dir / "owner").unlink(missing_ok=True)
-        return left + hostnet.leftovers(c)
-
-    def _down_real_node(self, c: ClusterConfig) -> list[str]:
         node = RealNode(c)
         for name in ("kube-proxy", "cluster-dns"):
             processes.stop(name, c.pid_dir, timeout=10.0)
@@ -193,11 +145,8 @@ class LocalCluster:
         c = self.config
         if c is None:
             return []
-        if c.runtime == "containerd":
-            found = RealNode(c).leftovers() + [f"iptables chain {x}" for x in kube_proxy_chains()]
-        else:
-            found = hostnet.leftovers(c)
-        for name in controlplane.COMPONENTS + addons(c):
+        found = RealNode(c).leftovers() + [f"iptables chain {x}" for x in kube_proxy_chains()]
+        for name in controlplane.COMPONENTS + ADDONS:
             pid = processes.running(name, c.pid_dir)
             if pid is not None:
                 found.append(f"{name} process {pid}")
@@ -215,69 +164,33 @@ class LocalCluster:
             if name in KUBE_BINARIES and any(marker in a for a in argv[1:]) \
                     and processes.start_time(int(entry.name)):
                 found.append(f"{name} process {entry.name}")
-        if c.runtime == "containerd":
-            return list(dict.fromkeys(found))
-        found += [f"pod sandbox process {p}" for p in processes.find_by_argv0_prefix(PAUSE_MARKER)
-                  if processes.start_time(p) is not None]
-        own_mnt = os.readlink("/proc/self/ns/mnt")
-        for pid_file in c.pods_dir.glob("*/*/pid"):
-            try:
-                pid = int(pid_file.read_text())
-                if processes.start_time(pid) and os.readlink(f"/proc/{pid}/ns/mnt") != own_mnt:
-                    found.append(f"container process {pid} ({pid_file.parent.parent.name})")
-            except (OSError, ValueError):
-                continue
-        mountinfo = Path("/proc/self/mountinfo").read_text()
-        found += [f"mount {line.split()[4]}" for line in mountinfo.splitlines()
-                  if str(c.state_dir) in line or "kubeshard" in line.split()[4]]
-        record = c.state_dir / "mountpoints.txt"
-        if record.exists() and record.read_text().strip():
-            found += [f"mountpoint {p}" for p in record.read_text().split()]
-        if Path("/dev/shm/kubeshard").exists():
-            found.append("/dev/shm/kubeshard")
         return list(dict.fromkeys(found))
 
 
 def _preflight() -> None:
     if os.geteuid() != 0:
-        raise StartupError("the local cluster needs root (network namespaces, bridges, nftables); "
+        raise StartupError("the local cluster needs root (containerd, the kubelet, nftables, iptables); "
                            "use KUBESHARD_E2E_KUBECONFIG to test against another cluster")
-    missing = [t for t in ("ip", "nft", "unshare", "nsenter", "busybox") if shutil.which(t) is None]
+    missing = [t for t in ("ip", "nft", "iptables") if shutil.which(t) is None]
     if missing:
         raise StartupError(f"missing system tools: {', '.join(missing)} (run hack/ensure-system-deps.sh)")
 
 
 def _kube_proxy_argv(c: ClusterConfig) -> list[str]:
-    if c.runtime == "containerd":
-        return [
-            str(c.bin_dir / "kube-proxy"),
-            f"--kubeconfig={c.component_kubeconfig('kube-proxy')}",
-            # iptables, beside the NetworkPolicy engine's chains; its own names (KUBE-*)
-            # never meet the nft table of a process-backed cluster on the same machine.
-            "--proxy-mode=iptables",
-            f"--hostname-override={c.node_specs[0].name}",
-            f"--cluster-cidr={c.cluster_cidr}",
-            f"--healthz-bind-address=127.0.0.1:{c.kube_proxy_healthz_port}",
-            f"--metrics-bind-address=127.0.0.1:{c.kube_proxy_metrics_port}",
-            # Leave the host's conntrack sizes and timeouts alone, and route_localnet
-            # off (NodePorts on 127.0.0.1 would need it, for every interface).
-            "--conntrack-max-per-core=0",
-            "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
-            "--iptables-localhost-nodeports=false",
-        ]
     return [
         str(c.bin_dir / "kube-proxy"),
         f"--kubeconfig={c.component_kubeconfig('kube-proxy')}",
-        "--proxy-mode=nftables",
+        # iptables, beside the NetworkPolicy engine's chains (iptables and ipset too).
+        "--proxy-mode=iptables",
         f"--hostname-override={c.node_specs[0].name}",
         f"--cluster-cidr={c.cluster_cidr}",
         f"--healthz-bind-address=127.0.0.1:{c.kube_proxy_healthz_port}",
         f"--metrics-bind-address=127.0.0.1:{c.kube_proxy_metrics_port}",
-        # Leave the host's conntrack table size alone.
+        # Leave the host's conntrack sizes and timeouts alone, and route_localnet
+        # off (NodePorts on 127.0.0.1 would need it, for every interface).
         "--conntrack-max-per-core=0",
-        # Pods share one bridge and there is no br_netfilter: masquerading Service
-        # traffic makes replies come back through the host, where conntrack un-DNATs them.
-        "--masquerade-all",
+        "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
+        "--iptables-localhost-nodeports=false",
     ]
 
 
@@ -285,26 +198,19 @@ def _kube_proxy_synced(c: ClusterConfig) -> tuple[bool, str]:
     status, body = controlplane._http_get(c.kube_proxy_healthz_port, "/healthz")
     if status != 200:
         return False, body
-    if c.runtime == "containerd":
-        chain = subprocess.run(["iptables", "-t", "nat", "-S", "KUBE-SERVICES"], capture_output=True,
-                               text=True, timeout=10)
-        return chain.returncode == 0, chain.stderr or "kube-proxy's KUBE-SERVICES chain exists"
-    # Healthy can precede the first sync; the Service rules exist once its table does.
-    table = subprocess.run(["nft", "list", "chain", "ip", "kube-proxy", "services"],
-                           capture_output=True, text=True, timeout=10)
-    return table.returncode == 0, table.stderr or "kube-proxy's services chain exists"
+    # Healthy can precede the first sync; the Service rules exist once its chain does.
+    chain = subprocess.run(["iptables", "-t", "nat", "-S", "KUBE-SERVICES"], capture_output=True,
+                           text=True, timeout=10)
+    return chain.returncode == 0, chain.stderr or "kube-proxy's KUBE-SERVICES chain exists"
 
 
 def _create_dns_service(api: Api, c: ClusterConfig) -> None:
     """kube-system/kube-dns, as in every cluster; reserves the DNS IP and documents it.
 
-    It has no selector. On the process-backed node it has no endpoints either: hostnet's
-    nft table sends its traffic to the DNS server on 127.0.0.1 before kube-proxy sees
-    it. On the real node its endpoint is the DNS server on the node's address, and
+    It has no selector: its endpoint is the DNS server on the node's address, and
     kube-proxy does the rest.
     """
-    real = c.runtime == "containerd"
-    target = {"targetPort": c.dns_port} if real else {}
+    target = {"targetPort": c.dns_port}
     body = {
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": "kube-dns", "namespace": "kube-system",
@@ -313,15 +219,14 @@ def _create_dns_service(api: Api, c: ClusterConfig) -> None:
             {"name": "dns", "port": 53, "protocol": "UDP", **target},
             {"name": "dns-tcp", "port": 53, "protocol": "TCP", **target}]},
     }
-    objects = [("/api/v1/namespaces/kube-system/services", body)]
-    if real:
-        objects.append(("/api/v1/namespaces/kube-system/endpoints", {
-            "apiVersion": "v1", "kind": "Endpoints",
-            "metadata": {"name": "kube-dns", "namespace": "kube-system"},
-            "subsets": [{"addresses": [{"ip": c.advertise_address}],
-                         "ports": [{"name": "dns", "port": c.dns_port, "protocol": "UDP"},
-                                   {"name": "dns-tcp", "port": c.dns_port, "protocol": "TCP"}]}],
-        }))
+    objects = [("/api/v1/namespaces/kube-system/services", body),
+               ("/api/v1/namespaces/kube-system/endpoints", {
+                   "apiVersion": "v1", "kind": "Endpoints",
+                   "metadata": {"name": "kube-dns", "namespace": "kube-system"},
+                   "subsets": [{"addresses": [{"ip": c.advertise_address}],
+                                "ports": [{"name": "dns", "port": c.dns_port, "protocol": "UDP"},
+                                          {"name": "dns-tcp", "port": c.dns_port, "protocol": "TCP"}]}],
+               })]
     for path, obj in objects:
         try:
             api.create(path, obj)
@@ -344,7 +249,7 @@ def remove_kube_proxy_chains() -> None:
     """Undo kube-proxy's iptables mode: the jumps from the built-in chains, then its chains.
 
     Done by hand rather than with `kube-proxy --cleanup`, which would also delete the
-    nftables rules of a process-backed cluster running beside this one."""
+    nftables rules of any other kube-proxy on this machine."""
     for table in ("nat", "filter", "mangle"):
         rules = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True,
                                timeout=30).stdout.splitlines()
@@ -379,28 +284,12 @@ def _dns_answers(c: ClusterConfig) -> tuple[bool, str]:
     return c.kubernetes_service_ip in answers, f"answers {answers}"
 
 
-def _kill_container_processes(c: ClusterConfig) -> None:
-    """Containers a killed node agent left behind: their pids are in the pod folders.
-
-    A pid is only signalled if that process lives in a mount namespace other than ours
-    (every container has its own), so a recycled pid of a host process is never hit.
-    """
-    own_mnt = os.readlink("/proc/self/ns/mnt")
-    for pid_file in c.pods_dir.glob("*/*/pid"):
-        try:
-            pid = int(pid_file.read_text())
-            if os.readlink(f"/proc/{pid}/ns/mnt") != own_mnt:
-                processes.terminate(pid, timeout=2.0)
-        except (OSError, ValueError):
-            continue
-
-
 def summary(cluster: LocalCluster) -> dict:
     c = cluster.config
     if c is None:
         return {"running": False}
-    pids = {n: processes.running(n, c.pid_dir) for n in controlplane.COMPONENTS + addons(c)}
-    return {"running": cluster.is_running(), "runtime": c.runtime, "kubeconfig": str(c.kubeconfig), "pids": pids,
+    pids = {n: processes.running(n, c.pid_dir) for n in controlplane.COMPONENTS + ADDONS}
+    return {"running": cluster.is_running(), "kubeconfig": str(c.kubeconfig), "pids": pids,
             "apiserver": c.apiserver_url, "nodes": [n.name for n in c.node_specs]}
 
 

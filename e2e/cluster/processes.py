@@ -105,17 +105,3 @@ def stop(name: str, pid_dir: Path, timeout: float = 10.0) -> None:
         terminate(pid, timeout)
     (pid_dir / f"{name}.pid").unlink(missing_ok=True)
 
-
-def find_by_argv0_prefix(prefix: str) -> list[int]:
-    """Pids whose argv[0] starts with `prefix` (pod sandboxes left by a crashed agent)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
-        except OSError:
-            continue
-        if argv0.decode(errors="replace").startswith(prefix):
-            found.append(int(entry.name))
-    return found

@@ -36,18 +36,6 @@ INSTALL_VALUES = [
 ]
 
 
-def node_values(cluster) -> list[str]:
-    """On the process-backed node the shard-server "image" is this machine's venv, whose
-    prebuilt decode kernel lives in this machine's cache: the shard pods find it there
-    (shardServer.cacheDir) instead of compiling it in every new pod's /tmp."""
-    config = getattr(cluster, "local_config", None)
-    if cluster.is_local and config is not None and getattr(config, "runtime", "process") == "process":
-        from kubeshard_shard.paths import cache_root
-
-        return ["--set", f"shardServer.cacheDir={cache_root()}"]
-    return []
-
-
 @dataclass
 class Release:
     cluster: Any
@@ -94,7 +82,7 @@ def kubeshard(cluster):
     cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
     cluster.kubectl("create", "namespace", namespace)
     cluster.helm("install", RELEASE, str(CHART), "-n", namespace, *INSTALL_VALUES,
-                 *node_values(cluster), "--wait", "--timeout", "5m", timeout=360)
+                 "--wait", "--timeout", "5m", timeout=360)
     release = Release(cluster, namespace)
     try:
         yield release

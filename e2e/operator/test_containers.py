@@ -1,7 +1,7 @@
 """What only real containers show: the images run as non-root on a read-only root
 filesystem and serve, and memory limits are enforced (an over-limit shard is
-OOM-killed and its group restarted). Runs on the local cluster's real node and on kind;
-the process-backed node (no images, no cgroups) cannot show it."""
+OOM-killed and its group restarted), and NetworkPolicy is enforced. Runs on the local
+cluster's real node and on kind."""
 
 from __future__ import annotations
 
@@ -19,12 +19,6 @@ from e2e.waiting import wait_for
 pytestmark = pytest.mark.e2e
 
 TAG = "0.1.0"
-
-
-@pytest.fixture(autouse=True)
-def _real_containers(cluster):
-    if cluster.local_config is not None and cluster.local_config.runtime != "containerd":
-        pytest.skip("the process-backed node runs no images and enforces no limits")
 
 
 def _non_root_read_only(cluster, namespace: str, pod: str, container: str | None = None) -> None:

@@ -92,7 +92,7 @@ class RealNode:
     def start_network_policy(self, api, spawn: Callable[[str, list[str]], None], timeout: float) -> None:
         """kube-router's firewall, once the Node (and its podCIDR) exists."""
         from ..controlplane import _http_get, wait_healthy
-        from ..node.api import ApiError
+        from ..api import ApiError
 
         for path, obj in netpol.rbac_objects():
             try:

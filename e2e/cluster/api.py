@@ -1,4 +1,4 @@
-"""A small JSON client for the node agent and DNS server, on urllib3.
+"""A small JSON client for the harness (the DNS server, the cluster's start), on urllib3.
 
 They work on plain dicts (the JSON the API server sends), which keeps field names as in
 the Kubernetes docs (`containerStatuses`, `fieldRef`) and avoids converting models back
