@@ -3,7 +3,7 @@
 # Go module proxy, as pinned by hack/k8s-tools/go.mod:
 #
 #   kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubectl
-#                                                                              (k8s.io/kubernetes)
+#   kubeadm (kind's node image, `make e2e-kind`)                               (k8s.io/kubernetes)
 #   etcd                                                                       (go.etcd.io/etcd/server/v3)
 #   helm                                                                       (helm.sh/helm/v3)
 #
@@ -35,7 +35,7 @@ fi
 
 dest="$cache/k8s/$k8s_version"
 bin="$dest/bin"
-tools=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubectl etcd helm)
+tools=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet kubectl kubeadm etcd helm)
 stamp_value="$(cat "$mod_dir/go.mod" "$mod_dir/go.sum" "$0" | sha256sum | cut -c1-16)"
 
 is_current() {
@@ -99,7 +99,7 @@ start=$SECONDS
 echo "k8s-tools: building kubernetes $k8s_version, etcd $etcd_version, helm $helm_version" \
      "into $bin (cold: ~7 min on 2 cores)" >&2
 cd "$mod_dir"
-# One `go build` for all eight programs, so the packages they share (client-go, grpc,
+# One `go build` for all nine programs, so the packages they share (client-go, grpc,
 # protobuf, ...) compile once. -s -w and -trimpath cut link time and size.
 "$go_bin" build -trimpath -o "$tmp/" \
   -ldflags "-s -w $k8s_ldflags $helm_ldflags $etcd_ldflags" \
@@ -109,6 +109,7 @@ cd "$mod_dir"
   k8s.io/kubernetes/cmd/kube-proxy \
   k8s.io/kubernetes/cmd/kubelet \
   k8s.io/kubernetes/cmd/kubectl \
+  k8s.io/kubernetes/cmd/kubeadm \
   go.etcd.io/etcd/server/v3 \
   helm.sh/helm/v3/cmd/helm >&2
 # go names the etcd server module's main package after its path ("server" for .../server/v3).
