@@ -13,7 +13,7 @@ export KUBESHARD_CACHE
 STAMP := $(VENV)/.kubeshard-installed
 PACKAGES := proto/pyproject.toml shard_server/pyproject.toml router/pyproject.toml operator/pyproject.toml
 
-.PHONY: help install system-deps run test test-unit test-e2e test-engines engines bench proto k8s-tools node-tools images cluster cluster-down e2e-kind clean
+.PHONY: help install system-deps run test test-unit test-e2e test-engines engines bench proto k8s-tools node-tools images cluster cluster-down e2e-kind kind-smoke clean
 
 help: ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -38,8 +38,9 @@ system-deps: ## install the system packages tests need (redis-server, iproute2, 
 run: install ## serve SmolLM2-135M-Instruct on http://127.0.0.1:8080 (extra flags: make run ARGS="--port 9000")
 	$(VENV)/bin/kubeshard serve $(ARGS)
 
-test: install k8s-tools images ## run every test (unit, integration, end-to-end on a real kubelet with containerd)
+test: install k8s-tools images ## run every test (unit, integration, end-to-end on a real kubelet with containerd, a smoke test on kind)
 	$(PY) -m pytest tests e2e
+	$(MAKE) --no-print-directory kind-smoke
 
 test-unit: install k8s-tools ## run the tests that need no Kubernetes control plane (helm, from k8s-tools, renders the chart)
 	$(PY) -m pytest tests
@@ -78,8 +79,11 @@ cluster: install k8s-tools images ## start the local cluster (control plane, kub
 cluster-down: ## stop the local control plane
 	$(PY) -m e2e.cluster down
 
-e2e-kind: ## run the e2e suite on a kind cluster (needs Docker and kind)
+e2e-kind: install k8s-tools ## run the e2e suite on kind (kind, its node image and every image built here)
 	hack/e2e-kind.sh
+
+kind-smoke: install k8s-tools ## on kind: cluster up, chart installed, one sharded InferenceService streams through the router
+	PYTEST_ARGS="e2e/operator/test_operator.py -k two_shards_become_ready" hack/e2e-kind.sh
 
 clean: ## remove the virtual environment and local caches in the clone
 	rm -rf $(VENV) .cache

@@ -1,37 +1,49 @@
 #!/usr/bin/env bash
-# Runs the e2e suite on a kind cluster instead of the local process-backed one.
-# Needs Docker, kind, kubectl and helm on PATH (it cannot run on the project's own
-# machines, which have no container engine). Environment:
+# Runs the e2e suite on a kind cluster instead of the local one (`make e2e-kind`).
+# Everything is built here, from no registry: Docker (hack/docker.sh), kind
+# (hack/node-tools.sh kind), kind's node image (hack/images.sh kindnode: the Kubernetes
+# binaries of hack/k8s-tools.sh and the images kubeadm runs) and kubeshard's images with
+# the stand-ins the chart and the tests name, loaded into the node from their tarballs.
+# Environment:
 #   KIND_CLUSTER   cluster name (default kubeshard-e2e); reused if it exists
-#   KIND_IMAGE     node image (default kindest/node:v1.37.2, matching hack/k8s-tools)
+#   KIND_IMAGE     node image (default: the one hack/images.sh kindnode builds)
 #   KEEP_CLUSTER=1 keep the cluster afterwards (default: delete it)
-#   PYTEST_ARGS    extra pytest arguments (default: -m e2e)
+#   PYTEST_ARGS    pytest arguments (default: e2e -m e2e, the whole suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
 
 name="${KIND_CLUSTER:-kubeshard-e2e}"
-image="${KIND_IMAGE:-kindest/node:v1.37.2}"
-# The chart's default image names (charts/kubeshard/values.yaml, appVersion), so the
-# chart and operator run unchanged.
-tag="$(awk -F'"' '/^appVersion:/ {print $2}' charts/kubeshard/Chart.yaml)"
-for tool in docker kind kubectl helm; do
-  command -v "$tool" >/dev/null || { echo "e2e-kind: $tool is not installed" >&2; exit 1; }
-done
-
-make install
-if ! kind get clusters | grep -qx "$name"; then
-  kind create cluster --name "$name" --image "$image" --config hack/kind/cluster.yaml --wait 120s
+k8s_bin="$(hack/k8s-tools.sh | tail -1)"   # kubectl, helm
+kind="$(hack/node-tools.sh kind | tail -1)"
+export PATH="$k8s_bin:$PATH"
+hack/docker.sh up
+if [ -z "${KIND_IMAGE:-}" ]; then
+  hack/images.sh --load kindnode >/dev/null
+  KIND_IMAGE="kubeshard.local/kind-node:$(basename "$(dirname "$k8s_bin")")"
 fi
-kubeconfig="$(mktemp)"
-trap 'rm -f "$kubeconfig"; [ "${KEEP_CLUSTER:-0}" = 1 ] || kind delete cluster --name "$name"' EXIT
-kind get kubeconfig --name "$name" >"$kubeconfig"
+# The project's images and the stand-ins, as tarballs (no Docker needed when current).
+mapfile -t tarballs < <(hack/images.sh standins operator router shard)
 
-# Build the images from the repository root and load them into the nodes (kind nodes
-# cannot pull from this machine's Docker daemon).
-for part in shard_server router operator; do
-  repo="ghcr.io/kubeshard/${part//_/-}"
-  docker build -t "$repo:$tag" -f "$part/Dockerfile" .
-  kind load docker-image "$repo:$tag" --name "$name"
+kubeconfig="$(mktemp)" config="$(mktemp)"
+cleanup() {
+  [ "${KEEP_CLUSTER:-0}" = 1 ] || "$kind" delete cluster --name "$name" --kubeconfig "$kubeconfig" >/dev/null 2>&1 || true
+  rm -f "$kubeconfig" "$config"
+}
+trap cleanup EXIT
+if ! "$kind" get clusters 2>/dev/null | grep -qx "$name"; then
+  models="${KUBESHARD_CACHE:-$HOME/.cache/kubeshard}/demo-models"
+  mkdir -p "$models"
+  sed "s|@DEMO_MODELS@|$models|g" hack/kind/cluster.yaml >"$config"
+  # --kubeconfig: the cluster's credentials go to a file of its own, not ~/.kube/config
+  "$kind" create cluster --name "$name" --image "$KIND_IMAGE" --config "$config" --wait 180s \
+    --retain --kubeconfig "$kubeconfig"
+fi
+"$kind" get kubeconfig --name "$name" >"$kubeconfig"
+for t in "${tarballs[@]}"; do
+  "$kind" load image-archive "$t" --name "$name"
 done
+echo "e2e-kind: cluster $name up with the images loaded in $((SECONDS - start)) s" >&2
 
-KUBESHARD_E2E_KUBECONFIG="$kubeconfig" .venv/bin/python -m pytest e2e ${PYTEST_ARGS:--m e2e}
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+KUBESHARD_E2E_KUBECONFIG="$kubeconfig" .venv/bin/python -m pytest ${PYTEST_ARGS:-e2e -m e2e}

@@ -11,6 +11,10 @@
 #   standins  python:3.11, python:3.12, busybox:1.36, busybox:1.37, redis:7.4-alpine:
 #             the third-party images the chart and the e2e tests name, built from
 #             Debian's packages (hack/images/standins/; each says so in a label)
+#   kindnode  kubeshard.local/kind-node:<kubernetes version>: kind's node image, assembled
+#             here (hack/kind/node/): the Kubernetes binaries of hack/k8s-tools.sh, and
+#             the control plane's, kube-proxy, etcd, CoreDNS and pause images inside it.
+#             Built only when named (`make e2e-kind`).
 #
 # A tarball's name carries a hash of everything its image is built from (Dockerfile,
 # the parts' sources, constraints.txt, the base), so a change rebuilds it and an
@@ -166,6 +170,38 @@ for group in "${groups[@]}"; do
       fi
       build standins "$key" python:3.11 python:3.12 busybox:1.36 busybox:1.37 redis:7.4-alpine -- standins
       ;;
-    *) echo "images: unknown group $group (base operator router shard pause standins)" >&2; exit 2 ;;
+    kindnode)
+      k8s_dir="$(dirname "$("$here/k8s-tools.sh" | tail -1)")"
+      k8s_version="$(basename "$k8s_dir")"
+      node_bin="$(dirname "$("$here/node-tools.sh" runc-wrapper crictl coredns pause | tail -1)")"
+      etcd_tag="$(awk '$1 == "go.etcd.io/etcd/server/v3" {print substr($2, 2) "-0"; exit}' "$here/k8s-tools/go.mod")"
+      key="$(echo "$(base_key) $(cat "$k8s_dir/stamp") $(cat "$node_bin"/{runc-wrapper,crictl,coredns,pause}.stamp)" \
+               "$(hash_files hack/kind/node hack/images/pause.Dockerfile)" | sha256sum | cut -c1-16)"
+      kind_node() {
+        local ctx rc=0
+        ctx="$(mktemp -d)"
+        ( set -e
+          b="$k8s_dir/bin" r=registry.k8s.io
+          mkdir -p "$ctx/bin" "$ctx/images"
+          cp -r "$here/kind/node/rootfs" "$ctx/rootfs"
+          cp "$b/kubeadm" "$b/kubelet" "$b/kubectl" "$node_bin/crictl" "$node_bin/runc-wrapper" "$ctx/bin/"
+          ensure_base
+          export BASE_IMAGE="$BASE_REF"
+          for c in kube-apiserver kube-controller-manager kube-scheduler kube-proxy; do
+            "$here/kind/node/component.sh" "$c" "$b/$c" "$r/$c:$k8s_version" "$ctx/images/$c.tar"
+          done
+          "$here/kind/node/component.sh" etcd "$b/etcd" "$r/etcd:$etcd_tag" "$ctx/images/etcd.tar"
+          "$here/kind/node/component.sh" coredns "$node_bin/coredns" "$r/coredns/coredns:v1.14.6" "$ctx/images/coredns.tar"
+          docker build -q -f "$here/images/pause.Dockerfile" -t "$r/pause:3.10" "$node_bin" >/dev/null
+          docker save -o "$ctx/images/pause.tar" "$r/pause:3.10"
+          docker build --network host -f "$here/kind/node/Dockerfile" --build-arg "BASE_IMAGE=$BASE_REF" \
+            --build-arg "KUBERNETES_VERSION=$k8s_version" -t "kubeshard.local/kind-node:$k8s_version" "$ctx"
+        ) || rc=$?
+        rm -rf "$ctx"
+        return $rc
+      }
+      build kindnode "$key" "kubeshard.local/kind-node:$k8s_version" -- kind_node
+      ;;
+    *) echo "images: unknown group $group (base operator router shard pause standins kindnode)" >&2; exit 2 ;;
   esac
 done

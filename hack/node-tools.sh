@@ -11,6 +11,9 @@
 #                  its network-policy controller (iptables + ipset) enforces
 #                  NetworkPolicy on the local node (v2.1.0 is the only release the Go
 #                  proxy serves; it runs on this machine's pod network only)
+#   kind, coredns  sigs.k8s.io/kind and CoreDNS (hack/kind/coredns: the plugins kubeadm's
+#                  Corefile names), pinned in hack/kind/go.mod: for kind's node image,
+#                  `make e2e-kind` and `make kind-smoke`, so built when named, not by default
 #
 # containerd, runc and the CNI plugins are Debian's (hack/ensure-system-deps.sh
 # --containers). A stamp per tool (a hash of its sources) decides reuse.
@@ -75,6 +78,27 @@ build_kube_router() {
   echo "$stamp" >"$bin/kube-router.stamp"
 }
 
+build_kind_tool() { # kind | coredns
+  local name="$1" src="$here/kind" stamp pkg ldflags="-s -w"
+  stamp="$(stamp_of "$src/go.mod" "$src/go.sum" "$src/coredns/main.go")"
+  if [ -x "$bin/$name" ] && [ "$(cat "$bin/$name.stamp" 2>/dev/null)" = "$stamp" ]; then return; fi
+  local go_bin; go_bin="$(command -v go || echo /usr/local/go/bin/go)"
+  case "$name" in
+    kind) pkg=sigs.k8s.io/kind ;;
+    coredns)
+      pkg=./coredns
+      local version; version="$(awk '$1 == "github.com/coredns/coredns" {print $2; exit}' "$src/go.mod")"
+      ldflags+=" -X github.com/coredns/coredns/coremain.GitCommit=module-$version"
+      ;;
+  esac
+  echo "node-tools: building $name" >&2
+  (cd "$src" && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=readonly \
+     GOCACHE="$cache/go/build" GOMODCACHE="$cache/go/mod" \
+     "$go_bin" build -trimpath -ldflags "$ldflags" -o "$bin/$name.tmp" "$pkg") >&2
+  mv "$bin/$name.tmp" "$bin/$name"
+  echo "$stamp" >"$bin/$name.stamp"
+}
+
 exec 9>"$bin/.lock"
 flock -w 600 9
 if [ $# -eq 0 ]; then
@@ -91,6 +115,7 @@ for tool in "$@"; do
     pause) build_pause ;;
     crictl) build_crictl ;;
     kube-router) build_kube_router ;;
+    kind | coredns) build_kind_tool "$tool" ;;
     *) echo "node-tools: unknown tool $tool" >&2; exit 2 ;;
   esac
   echo "$bin/$tool"

@@ -172,8 +172,11 @@ def stream_through_router(cluster, namespace: str, url: str) -> list[dict]:
 
 def test_two_shards_become_ready_and_stream_through_the_router(cluster, kubeshard, namespace,
                                                                demo_model_dir):
+    # a quarter CPU each: on kind (`make kind-smoke`) the node's 2 CPUs also hold the
+    # requests of the control plane's pods, and two half-CPU shards would not fit
     apply(cluster, inference_service("sharded", namespace, demo_model_dir,
-                                     sharding={"shards": 2, "strategy": "tensor"}))
+                                     sharding={"shards": 2, "strategy": "tensor"},
+                                     resources={"cpu": "250m", "memory": "1Gi"}))
     try:
         check_sharded(cluster, kubeshard, namespace, demo_model_dir)
     finally:
