@@ -11,6 +11,7 @@
 #   PYTEST_ARGS    pytest arguments (default: e2e -m e2e, the whole suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. hack/lib.sh  # $cache, etcd_image_tag
 start=$SECONDS
 
 name="${KIND_CLUSTER:-kubeshard-e2e}"
@@ -32,9 +33,9 @@ cleanup() {
 }
 trap cleanup EXIT
 if ! "$kind" get clusters 2>/dev/null | grep -qx "$name"; then
-  models="${KUBESHARD_CACHE:-$HOME/.cache/kubeshard}/demo-models"
+  models="$cache/demo-models"
   mkdir -p "$models"
-  sed "s|@DEMO_MODELS@|$models|g" hack/kind/cluster.yaml >"$config"
+  sed -e "s|@DEMO_MODELS@|$models|g" -e "s|@ETCD_TAG@|$(etcd_image_tag)|g" hack/kind/cluster.yaml >"$config"
   # --kubeconfig: the cluster's credentials go to a file of its own, not ~/.kube/config
   "$kind" create cluster --name "$name" --image "$KIND_IMAGE" --config "$config" --wait 180s \
     --retain --kubeconfig "$kubeconfig"

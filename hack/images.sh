@@ -174,7 +174,7 @@ for group in "${groups[@]}"; do
       k8s_dir="$(dirname "$("$here/k8s-tools.sh" | tail -1)")"
       k8s_version="$(basename "$k8s_dir")"
       node_bin="$(dirname "$("$here/node-tools.sh" runc-wrapper crictl coredns pause | tail -1)")"
-      etcd_tag="$(awk '$1 == "go.etcd.io/etcd/server/v3" {print substr($2, 2) "-0"; exit}' "$here/k8s-tools/go.mod")"
+      etcd_tag="$(etcd_image_tag)"
       key="$(echo "$(base_key) $(cat "$k8s_dir/stamp") $(cat "$node_bin"/{runc-wrapper,crictl,coredns,pause}.stamp)" \
                "$(hash_files hack/kind/node hack/images/pause.Dockerfile)" | sha256sum | cut -c1-16)"
       kind_node() {
@@ -192,8 +192,7 @@ for group in "${groups[@]}"; do
           done
           "$here/kind/node/component.sh" etcd "$b/etcd" "$r/etcd:$etcd_tag" "$ctx/images/etcd.tar"
           "$here/kind/node/component.sh" coredns "$node_bin/coredns" "$r/coredns/coredns:v1.14.6" "$ctx/images/coredns.tar"
-          docker build -q -f "$here/images/pause.Dockerfile" -t "$r/pause:3.10" "$node_bin" >/dev/null
-          docker save -o "$ctx/images/pause.tar" "$r/pause:3.10"
+          cp "$("$0" pause | tail -1)" "$ctx/images/pause.tar"  # the pause group's tarball
           docker build --network host -f "$here/kind/node/Dockerfile" --build-arg "BASE_IMAGE=$BASE_REF" \
             --build-arg "KUBERNETES_VERSION=$k8s_version" -t "kubeshard.local/kind-node:$k8s_version" "$ctx"
         ) || rc=$?

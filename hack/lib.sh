@@ -17,3 +17,10 @@ build_lock() {
     exit 1
   fi
 }
+
+# etcd_image_tag: the tag of the etcd image kind's node carries (hack/images.sh kindnode)
+# and kind's cluster config names (hack/e2e-kind.sh): the etcd pinned for hack/k8s-tools.sh,
+# in kubeadm's form (3.7.3 -> 3.7.3-0).
+etcd_image_tag() {
+  awk '$1 == "go.etcd.io/etcd/server/v3" {print substr($2, 2) "-0"; exit}' "$(dirname "${BASH_SOURCE[0]}")/k8s-tools/go.mod"
+}
