@@ -4,8 +4,9 @@
 #   kube-apiserver, kube-controller-manager, kube-scheduler, etcd: FROM scratch, the
 #     static binary in /usr/local/bin (kubeadm's static pods name the command)
 #   coredns: FROM scratch, ENTRYPOINT /coredns (kubeadm passes only its arguments)
-#   kube-proxy: the Debian base with iptables, nftables and conntrack (its proxier
-#     runs them), the binary at /usr/local/bin/kube-proxy
+#   kube-proxy, kube-router: the Debian base with iptables, nftables, conntrack and
+#     ipset (kube-proxy's proxier and kube-router's firewall run them), the binary in
+#     /usr/local/bin
 set -euo pipefail
 name="$1" binary="$2" ref="$3" out="$4"
 ctx="$(mktemp -d)"
@@ -14,10 +15,10 @@ cp "$binary" "$ctx/$name"
 case "$name" in
   coredns)
     printf 'FROM scratch\nCOPY coredns /coredns\nENTRYPOINT ["/coredns"]\n' >"$ctx/Dockerfile" ;;
-  kube-proxy)
+  kube-proxy|kube-router)
     printf '%s\n' "ARG BASE_IMAGE" "FROM \${BASE_IMAGE}" \
       "RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iptables nftables conntrack ipset >/dev/null && rm -rf /var/lib/apt/lists/*" \
-      "COPY kube-proxy /usr/local/bin/kube-proxy" >"$ctx/Dockerfile" ;;
+      "COPY $name /usr/local/bin/$name" >"$ctx/Dockerfile" ;;
   *)
     printf 'FROM scratch\nCOPY %s /usr/local/bin/%s\nENV PATH=/usr/local/bin\n' "$name" "$name" >"$ctx/Dockerfile" ;;
 esac
