@@ -23,8 +23,9 @@ if [ -z "${KIND_IMAGE:-}" ]; then
   hack/images.sh --load kindnode >/dev/null
   KIND_IMAGE="kubeshard.local/kind-node:$(basename "$(dirname "$k8s_bin")")"
 fi
-# The project's images and the stand-ins, as tarballs (no Docker needed when current).
-mapfile -t tarballs < <(hack/images.sh standins operator router shard)
+# The project's images, the stand-ins and the llama.cpp server, as tarballs (no Docker
+# needed when current).
+mapfile -t tarballs < <(hack/images.sh standins operator router shard llamacpp)
 
 kubeconfig="$(mktemp)" config="$(mktemp)"
 cleanup() {

@@ -13,8 +13,14 @@
 #             Debian's packages (hack/images/standins/; each says so in a label)
 #   kindnode  kubeshard.local/kind-node:<kubernetes version>: kind's node image, assembled
 #             here (hack/kind/node/): the Kubernetes binaries of hack/k8s-tools.sh, and
-#             the control plane's, kube-proxy, etcd, CoreDNS and pause images inside it.
+#             the control plane's, kube-proxy, etcd, CoreDNS and pause images inside it,
+#             and kube-router's (its NetworkPolicy engine, hack/kind/kube-router.yaml).
 #             Built only when named (`make e2e-kind`).
+#   llamacpp  ghcr.io/kubeshard/llamacpp-server:<version> (the operator's default image of
+#             spec.runtime llamacpp, operator/kubeshard_operator/config.py): llama.cpp's
+#             server, compiled from the sdist of the version hack/engines.sh pins
+#             (hack/llamacpp/Dockerfile; about 8 minutes cold on two cores), for the
+#             e2e test of that runtime.
 #
 # A tarball's name carries a hash of everything its image is built from (Dockerfile,
 # the parts' sources, constraints.txt, the base), so a change rebuilds it and an
@@ -22,7 +28,8 @@
 # build with the host's network and its extra CA certificates
 # (/usr/local/share/ca-certificates, passed as EXTRA_CA_CERTS to build stages only).
 #
-# Usage: hack/images.sh [GROUP...]   (default: all); prints one tarball path per line.
+# Usage: hack/images.sh [GROUP...]   (default: all but kindnode); prints one tarball path
+#          per line.
 #        hack/images.sh --load GROUP...   also makes sure Docker has the images (kind).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -34,7 +41,7 @@ mkdir -p "$out"
 load=""
 if [ "${1:-}" = "--load" ]; then load=1; shift; fi
 groups=("$@")
-[ ${#groups[@]} -gt 0 ] || groups=(pause standins operator router shard)
+[ ${#groups[@]} -gt 0 ] || groups=(pause standins operator router shard llamacpp)
 
 tag="$(awk -F'"' '/^appVersion:/ {print $2}' "$root/charts/kubeshard/Chart.yaml")"
 BASE_REF=kubeshard.local/debian-python:bookworm
@@ -173,10 +180,11 @@ for group in "${groups[@]}"; do
     kindnode)
       k8s_dir="$(dirname "$("$here/k8s-tools.sh" | tail -1)")"
       k8s_version="$(basename "$k8s_dir")"
-      node_bin="$(dirname "$("$here/node-tools.sh" runc-wrapper crictl coredns pause | tail -1)")"
+      node_bin="$(dirname "$("$here/node-tools.sh" runc-wrapper crictl coredns pause kube-router | tail -1)")"
       etcd_tag="$(etcd_image_tag)"
-      key="$(echo "$(base_key) $(cat "$k8s_dir/stamp") $(cat "$node_bin"/{runc-wrapper,crictl,coredns,pause}.stamp)" \
-               "$(hash_files hack/kind/node hack/images/pause.Dockerfile)" | sha256sum | cut -c1-16)"
+      kube_router_image="kubeshard.local/kube-router:$(awk '$1 == "require" && $2 ~ /kube-router/ {print $3}' "$here/netpol/go.mod")"
+      key="$(echo "$(base_key) $(cat "$k8s_dir/stamp") $(cat "$node_bin"/{runc-wrapper,crictl,coredns,pause,kube-router}.stamp)" \
+               "$(hash_files hack/kind/node hack/kind/kube-router.yaml hack/images/pause.Dockerfile)" | sha256sum | cut -c1-16)"
       kind_node() {
         local ctx rc=0
         ctx="$(mktemp -d)"
@@ -192,6 +200,11 @@ for group in "${groups[@]}"; do
           done
           "$here/kind/node/component.sh" etcd "$b/etcd" "$r/etcd:$etcd_tag" "$ctx/images/etcd.tar"
           "$here/kind/node/component.sh" coredns "$node_bin/coredns" "$r/coredns/coredns:v1.14.6" "$ctx/images/coredns.tar"
+          "$here/kind/node/component.sh" kube-router "$node_bin/kube-router" "$kube_router_image" "$ctx/images/kube-router.tar"
+          # kind applies the node's default-cni.yaml after kubeadm: here, kube-router's DaemonSet
+          mkdir -p "$ctx/rootfs/kind/manifests"
+          sed "s|@KUBE_ROUTER_IMAGE@|$kube_router_image|g" "$here/kind/kube-router.yaml" \
+            >"$ctx/rootfs/kind/manifests/default-cni.yaml"
           cp "$("$0" pause | tail -1)" "$ctx/images/pause.tar"  # the pause group's tarball
           docker build --network host -f "$here/kind/node/Dockerfile" --build-arg "BASE_IMAGE=$BASE_REF" \
             --build-arg "KUBERNETES_VERSION=$k8s_version" -t "kubeshard.local/kind-node:$k8s_version" "$ctx"
@@ -201,6 +214,22 @@ for group in "${groups[@]}"; do
       }
       build kindnode "$key" "kubeshard.local/kind-node:$k8s_version" -- kind_node
       ;;
-    *) echo "images: unknown group $group (base operator router shard pause standins kindnode)" >&2; exit 2 ;;
+    llamacpp)
+      ref="$(sed -n 's/^DEFAULT_LLAMACPP_IMAGE = "\(.*\)"$/\1/p' "$root/operator/kubeshard_operator/config.py")"
+      version="$(awk -F= '$1 == "LLAMACPP_VERSION" {print $2}' "$here/engines.sh")"
+      [ "${ref##*:}" = "$version" ] || {
+        echo "images: the operator's llama.cpp image $ref is not hack/engines.sh's version $version" >&2; exit 1; }
+      key="$(echo "$(base_key) $version $(hash_files hack/llamacpp/Dockerfile hack/images/pip-ca.sh)" \
+               | sha256sum | cut -c1-16)"
+      llamacpp() {
+        ensure_base
+        docker build --network host --force-rm -f "$here/llamacpp/Dockerfile" \
+          --build-arg "BASE_IMAGE=$BASE_REF" --build-arg "EXTRA_CA_CERTS=$(extra_ca)" \
+          --build-arg "LLAMACPP_VERSION=$version" --build-arg "JOBS=${KUBESHARD_ENGINE_JOBS:-2}" \
+          -t "$ref" "$root"
+      }
+      build llamacpp "$key" "$ref" -- llamacpp
+      ;;
+    *) echo "images: unknown group $group (base operator router shard pause standins kindnode llamacpp)" >&2; exit 2 ;;
   esac
 done

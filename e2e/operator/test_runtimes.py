@@ -2,21 +2,22 @@
 CRD's CEL rules, with messages naming the field), and an InferenceService whose runtime
 is llama.cpp's server becoming Ready and streaming through the router.
 
-The llama.cpp test needs the engine's environment (``hack/engines.sh llamacpp``) and a
-cluster that has the operator's llama.cpp server image; hack/images.sh does not build
-that image (the peer engines' images are not part of this project's build), so on the
-local cluster it is skipped with the reason (``KUBESHARD_REQUIRE_ENGINES=1`` still
-requires the engine).
+The llama.cpp test runs the operator's llama.cpp server image, which ``hack/images.sh``
+compiles with the other images (the local node and kind load it). The model is the
+default model's GGUF file, copied where the node's hostPath volumes see it.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import pytest
 
 from e2e.operator.conftest import CRDS, apply, inference_service, isvc, kubectl_json, wait_phase
 from e2e.operator.test_operator import stream_through_router
 from kubeshard_shard.checkpoints import default_model_file
-from tests.support import engines
+from kubeshard_shard.paths import cache_root
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -44,13 +45,9 @@ def test_bad_runtime_specs_are_refused_at_admission(cluster, namespace, spec, me
 
 
 def test_llamacpp_runtime_becomes_ready_and_streams_through_the_router(cluster, kubeshard, namespace):
-    engines.require("llamacpp")
-    if cluster.is_local:
-        pytest.skip("the local node has no llama.cpp server image (hack/images.sh builds "
-                    "kubeshard's own images only)")
-    gguf = default_model_file()
+    gguf = _on_the_node(default_model_file())
     apply(cluster, inference_service("llama", namespace, gguf, runtime={"name": "llamacpp"},
-                                     resources={"cpu": "1", "memory": "2Gi"},
+                                     resources={"cpu": "500m", "memory": "2Gi"},
                                      engine={"maxTotalTokens": 512}))
     try:
         obj = wait_phase(cluster, namespace, "llama", "Ready", 1, timeout=300)
@@ -66,3 +63,15 @@ def test_llamacpp_runtime_becomes_ready_and_streams_through_the_router(cluster, 
     finally:
         cluster.kubectl("-n", namespace, "delete", "inferenceservice", "llama", "--timeout=120s",
                         check=False, timeout=150)
+
+
+def _on_the_node(model: Path) -> Path:
+    """The model file in the demo checkpoints' folder, which the nodes' hostPath volumes
+    reach at the same path (the local node is this machine; kind mounts the folder)."""
+    dest = cache_root() / "demo-models" / "gguf" / model.name
+    if not dest.is_file() or dest.stat().st_size != model.stat().st_size:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(".partial")
+        shutil.copyfile(model, tmp)
+        tmp.replace(dest)
+    return dest
