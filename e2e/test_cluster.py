@@ -251,10 +251,18 @@ def test_crashing_container_restarts_with_growing_restart_count(cluster: Cluster
     container = status["containerStatuses"][0]
     assert container["lastState"]["terminated"]["exitCode"] == 3, container
     assert status["phase"] == "Running", status["phase"]
-    # The kubelet keeps one dead container per container; a fetch racing a restart can
-    # miss it, the next one finds the newer one.
-    wait_for(lambda: "crashing" in cluster.pod_logs(namespace, "crasher", previous=True), timeout=30,
-             what="the previous run's log")
+    # The last dead run's log is kept: the kubelet keeps one dead container per container
+    # (it removes the one before when the next dies). While the pod waits out its back-off
+    # that run is the "previous" one; between its exit and the back-off's start (kind's
+    # kubelet reports it for a while) it is still the current one. A fetch racing a
+    # restart can miss it; the next one finds the newer run.
+    def last_run_log() -> str:
+        state = get(cluster, namespace, "pod", "crasher")["status"]["containerStatuses"][0]["state"]
+        if "running" in state:
+            return ""
+        return cluster.pod_logs(namespace, "crasher", previous="waiting" in state)
+
+    wait_for(lambda: "crashing" in last_run_log(), timeout=30, what="the last run's log")
 
 
 def test_deleting_a_deployment_removes_its_pods_and_processes(cluster: Cluster, namespace: str):

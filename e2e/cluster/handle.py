@@ -6,12 +6,18 @@ any other cluster named by KUBESHARD_E2E_KUBECONFIG (kind), so tests are written
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     import kubernetes.client
@@ -78,6 +84,36 @@ class Cluster:
         """Run helm against this cluster (text mode, output captured)."""
         return _run([self._tool("helm"), *args], input=None, check=check, timeout=timeout, env=self._env())
 
+    @contextlib.contextmanager
+    def port_forward(self, namespace: str, target: str, port: int, timeout: float = 30) -> Iterator[int]:
+        """`kubectl port-forward` of target's port (e.g. "pod/x") to a free port on
+        127.0.0.1, which it yields: how a test on this machine reaches a pod on any cluster
+        (pod addresses are routed here only on the local node)."""
+        proc = subprocess.Popen([self._tool("kubectl"), "-n", namespace, "port-forward", "--address", "127.0.0.1",
+                                 target, f":{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=self._env())
+        try:
+            ready: list[int] = []
+            reader = threading.Thread(target=lambda: ready.extend(
+                int(m.group(1)) for line in proc.stdout
+                if (m := re.match(r"Forwarding from 127\.0\.0\.1:(\d+) ", line))), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + timeout
+            while not ready:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise CommandFailed(f"kubectl port-forward {target} :{port} did not start: "
+                                        f"{proc.stderr.read()[-2000:]}")
+                time.sleep(0.1)
+            yield ready[0]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
     # ---- API clients ---------------------------------------------------------------------
     def api_client(self) -> "kubernetes.client.ApiClient":
         """A kubernetes.client.ApiClient authenticated as the cluster admin."""
@@ -104,3 +140,37 @@ class Cluster:
         from .kubelet import RealNode
 
         return RealNode(self.local_config).pod_pids(namespace, pod)
+
+    def kill_pod(self, namespace: str, pod: str) -> int:
+        """SIGKILL the pod's running container processes, as a crash or the kernel's OOM
+        killer would (the API's delete is graceful: SIGTERM first, and a draining server
+        finishes what it holds). The local node's through its CRI from here; a kind node's
+        through its CRI inside the node's container (`docker exec`). Returns how many were
+        killed; other clusters have no way to do it and raise."""
+        if self.local_config is not None:
+            killed = 0
+            for pid in self.pod_pids(namespace, pod):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+            return killed
+        node = json.loads(self.kubectl("-n", namespace, "get", "pod", pod, "-o", "json").stdout)["spec"]["nodeName"]
+        provider = json.loads(self.kubectl("get", "node", node, "-o", "json").stdout)["spec"].get("providerID", "")
+        if not provider.startswith("kind://docker/"):
+            raise CommandFailed(f"kill_pod needs the local cluster or a kind node; node {node} is {provider!r}")
+
+        def in_node(*argv: str) -> str:
+            return _run(["docker", "exec", node, *argv], input=None, check=True, timeout=60,
+                        env=dict(os.environ)).stdout
+
+        killed = 0
+        for sandbox in in_node("crictl", "pods", "--namespace", namespace, "--name", f"^{pod}$", "-q",
+                               "--state", "ready").split():
+            for container in in_node("crictl", "ps", "--pod", sandbox, "-q", "--state", "running").split():
+                pid = json.loads(in_node("crictl", "inspect", container)).get("info", {}).get("pid")
+                if pid and _run(["docker", "exec", node, "kill", "-9", str(pid)], input=None, check=False,
+                                timeout=60, env=dict(os.environ)).returncode == 0:
+                    killed += 1
+        return killed

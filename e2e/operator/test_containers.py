@@ -12,13 +12,11 @@ import uuid
 import pytest
 
 from e2e.kube import apply as apply_yaml
-from e2e.kube import get, is_ready
+from e2e.kube import get, is_ready, project_image
 from e2e.operator.conftest import apply, inference_service, kubectl_json, pod_ready
 from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
-
-TAG = "0.1.0"
 
 
 def _non_root_read_only(cluster, namespace: str, pod: str, container: str | None = None) -> None:
@@ -42,7 +40,7 @@ def test_operator_and_router_images_run_non_root_and_read_only(cluster, kubeshar
     for component in ("operator", "router"):
         pod = next(p for p in kubeshard.pods(component) if pod_ready(p))
         image = pod["spec"]["containers"][0]["image"]
-        assert image == f"ghcr.io/kubeshard/{component}:{TAG}"
+        assert image == project_image(component)
         _non_root_read_only(cluster, kubeshard.namespace, pod["metadata"]["name"])
 
 
@@ -54,7 +52,7 @@ spec:
   securityContext: {{runAsNonRoot: true, runAsUser: 10001, runAsGroup: 10001}}
   containers:
   - name: shard
-    image: ghcr.io/kubeshard/shard-server:{tag}
+    image: {shard_image}
     args: [serve-shard, --model, /models/tiny, --model-id, tiny, --port, "50051",
            --max-total-tokens, "128", --kv-cache-memory, 32Mi, --num-threads, "1"]
     securityContext: {{readOnlyRootFilesystem: true, allowPrivilegeEscalation: false,
@@ -75,7 +73,7 @@ spec:
   securityContext: {{runAsNonRoot: true, runAsUser: 10001, runAsGroup: 10001}}
   containers:
   - name: router
-    image: ghcr.io/kubeshard/router:{tag}
+    image: {router_image}
     args: [--host=0.0.0.0, --port=8080, --no-redis, "--backend=tiny={shard_ip}:50051"]
     securityContext: {{readOnlyRootFilesystem: true, allowPrivilegeEscalation: false,
                       capabilities: {{drop: [ALL]}}}}
@@ -98,11 +96,13 @@ def test_shard_server_image_serves_a_mounted_model_read_only(cluster, namespace,
     """The shard image loads the tiny demo model from a hostPath volume and answers gRPC
     (the router image in front of it proves it, with both read-only and non-root)."""
     apply_yaml(cluster, namespace, SHARD_AND_ROUTER.split("---")[0].format(
-        tag=TAG, model=demo_model_dir, shard_ip="unused"))
+        shard_image=project_image("shard-server"), router_image=project_image("router"),
+        model=demo_model_dir, shard_ip="unused"))
     shard = wait_for(lambda: (p := get(cluster, namespace, "pod", "shard")) and is_ready(p) and p,
                      timeout=240, what="the shard pod to answer its gRPC readiness probe")
     apply_yaml(cluster, namespace, SHARD_AND_ROUTER.split("---")[1].format(
-        tag=TAG, model=demo_model_dir, shard_ip=shard["status"]["podIP"]))
+        shard_image=project_image("shard-server"), router_image=project_image("router"),
+        model=demo_model_dir, shard_ip=shard["status"]["podIP"]))
     wait_for(lambda: is_ready(get(cluster, namespace, "pod", "router")), timeout=120,
              what="the router pod to report /health 200 for the shard")
     _non_root_read_only(cluster, namespace, "shard")

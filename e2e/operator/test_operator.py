@@ -8,8 +8,6 @@ restart, then deletion. Sharing it keeps the suite's runtime modest on two cores
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 import uuid
 
@@ -206,8 +204,7 @@ def check_sharded(cluster, kubeshard, namespace, demo_model_dir):
     assert len(tokens) >= 1
     assert events[-1].get("generated_text") is not None  # TGI's last event carries the text
 
-    if cluster.is_local:
-        check_group_restarts_as_a_whole(cluster, namespace)
+    check_group_restarts_as_a_whole(cluster, namespace)
 
 
 def check_group_restarts_as_a_whole(cluster, namespace):
@@ -221,8 +218,7 @@ def check_group_restarts_as_a_whole(cluster, namespace):
 
     before = shard_pods()
     assert sorted(before) == ["sharded-g0-0", "sharded-g0-1"]
-    for pid in cluster.pod_pids(namespace, "sharded-g0-1"):
-        os.kill(pid, signal.SIGKILL)
+    assert cluster.kill_pod(namespace, "sharded-g0-1") >= 1
 
     def both_replaced():
         now = shard_pods()
@@ -382,7 +378,12 @@ def test_operator_restarted_mid_reconcile_converges(cluster, kubeshard, life):
 
 
 def test_delete_removes_every_child_and_the_models_redis_keys(cluster, kubeshard, life):
-    r = redis.Redis(host=kubeshard.redis_address(), port=6379, socket_timeout=5)
+    with cluster.port_forward(kubeshard.namespace, f"service/{kubeshard.component('redis')}", 6379) as port:
+        check_delete_removes_every_child_and_the_models_redis_keys(
+            cluster, life, redis.Redis(host="127.0.0.1", port=port, socket_timeout=5))
+
+
+def check_delete_removes_every_child_and_the_models_redis_keys(cluster, life, r):
     r.set("kubeshard:tiny:main:cache:e2e", "x")
     r.set("kubeshard:tiny:other-rev:inflight:e2e", 1)
     r.set("kubeshard:someone-else:main:cache:e2e", "keep")
