@@ -60,11 +60,6 @@ class Release:
             "-l", f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component={component}")
         return json.loads(out.stdout)["items"]
 
-    def redis_address(self) -> str:
-        pods = [p for p in self.pods("redis") if p["status"].get("podIP")]
-        assert pods, "the chart's Redis pod has no IP"
-        return pods[0]["status"]["podIP"]
-
 
 def kubectl_json(cluster, *args: str) -> Any:
     return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
@@ -112,7 +107,9 @@ def inference_service(name: str, namespace: str, model_dir: Path, **spec: Any) -
         "spec": {
             "model": {"source": f"file://{model_dir}"},
             "sharding": {"shards": 1},
-            "resources": {"cpu": "500m", "memory": "1Gi"},
+            # A request only (shards get no CPU limit): small enough that three groups fit
+            # beside the chart and kind's control plane (about 0.9 CPU) on a 2-CPU node.
+            "resources": {"cpu": "200m", "memory": "1Gi"},
             "engine": {"maxTotalTokens": 256, "kvCacheMemory": "64Mi"},
             "pod": {"terminationGracePeriodSeconds": 5},
         },
