@@ -19,6 +19,8 @@ from e2e.operator.test_operator import stream_through_router
 from kubeshard_shard.checkpoints import default_model_file
 from kubeshard_shard.paths import cache_root
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("spec, message", [
     ({"runtime": {"name": "vllm"}, "sharding": {"shards": 2, "strategy": "zero3"}},

@@ -13,6 +13,8 @@ import yaml
 
 from e2e.operator.conftest import CRDS, apply, inference_service, isvc
 
+pytestmark = pytest.mark.e2e
+
 GGUF = "/models/smollm2.Q8_0.gguf"
 
 
