@@ -21,7 +21,7 @@ class OperatorConfig:
     shard_image_cuda: str = DEFAULT_SHARD_IMAGE_CUDA
     image_pull_policy: str = "IfNotPresent"
     # Images of the peer engines (spec.runtime.image overrides them): vLLM on GPUs and on
-    # CPUs, and llama.cpp's server (llama-cpp-python[server]; hack/images builds it).
+    # CPUs, and llama.cpp's server (llama-cpp-python[server]; hack/images.sh builds it).
     vllm_image: str = DEFAULT_VLLM_IMAGE
     vllm_cpu_image: str = DEFAULT_VLLM_CPU_IMAGE
     llamacpp_image: str = DEFAULT_LLAMACPP_IMAGE
