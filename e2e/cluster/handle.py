@@ -161,16 +161,15 @@ class Cluster:
         if not provider.startswith("kind://docker/"):
             raise CommandFailed(f"kill_pod needs the local cluster or a kind node; node {node} is {provider!r}")
 
-        def in_node(*argv: str) -> str:
-            return _run(["docker", "exec", node, *argv], input=None, check=True, timeout=60,
-                        env=dict(os.environ)).stdout
+        def in_node(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+            return _run(["docker", "exec", node, *argv], input=None, check=check, timeout=60,
+                        env=dict(os.environ))
 
         killed = 0
         for sandbox in in_node("crictl", "pods", "--namespace", namespace, "--name", f"^{pod}$", "-q",
-                               "--state", "ready").split():
-            for container in in_node("crictl", "ps", "--pod", sandbox, "-q", "--state", "running").split():
-                pid = json.loads(in_node("crictl", "inspect", container)).get("info", {}).get("pid")
-                if pid and _run(["docker", "exec", node, "kill", "-9", str(pid)], input=None, check=False,
-                                timeout=60, env=dict(os.environ)).returncode == 0:
+                               "--state", "ready").stdout.split():
+            for container in in_node("crictl", "ps", "--pod", sandbox, "-q", "--state", "running").stdout.split():
+                pid = json.loads(in_node("crictl", "inspect", container).stdout).get("info", {}).get("pid")
+                if pid and in_node("kill", "-9", str(pid), check=False).returncode == 0:
                     killed += 1
         return killed
