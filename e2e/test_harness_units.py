@@ -1,16 +1,32 @@
-"""The local cluster's pure parts, without a cluster: cluster DNS, waiting."""
+"""The local cluster's pure parts, without a cluster: its ports, cluster DNS, waiting."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 from dnslib import RCODE, DNSRecord
 
+from e2e.cluster.config import ClusterConfig
 from e2e.cluster.dns import ClusterIndex, ClusterResolver
 from e2e.waiting import wait_for
 
 
 def _dns(index: ClusterIndex, name: str, qtype: str = "A") -> DNSRecord:
     return ClusterResolver(index).resolve(DNSRecord.question(name, qtype), None)
+
+
+def test_cluster_ports_lie_outside_the_kernels_ephemeral_range():
+    # An outgoing connection may take any ephemeral port as its local end; a cluster port
+    # there made the cluster's start fail at random ("in use, unknown owner").
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for instance in range(4):
+        c = ClusterConfig.for_instance(instance, state_dir=Path("/x"), bin_dir=Path("/x"))
+        ports = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name.endswith("_port")}
+        inside = {name: port for name, port in ports.items() if low <= port <= high}
+        assert not inside, f"instance {instance}: {inside} in the ephemeral range {low}-{high}"
+        assert len(set(ports.values())) == len(ports), ports
 
 
 def test_dns_answers_services_headless_hostnames_and_srv():

@@ -53,18 +53,20 @@ class ClusterConfig:
     cluster_cidr: str = "10.244.0.0/16"
     service_cidr: str = "10.96.0.0/16"
     # Uncommon ports, so the harness does not collide with other local Kubernetes
-    # setups (16443, 6443, 2379 are often taken).
-    apiserver_port: int = 36443
-    etcd_client_port: int = 36379
-    etcd_peer_port: int = 36380
-    controller_manager_port: int = 36257
-    scheduler_port: int = 36259
-    kube_proxy_healthz_port: int = 36256
-    kube_proxy_metrics_port: int = 36249
-    dns_port: int = 36053
+    # setups (16443, 6443, 2379 are often taken), and below Linux's ephemeral range
+    # (32768-60999 by default): a port in it can be held by any outgoing connection's
+    # local end, which made the cluster's start fail at random ("in use, unknown owner").
+    apiserver_port: int = 26443
+    etcd_client_port: int = 26379
+    etcd_peer_port: int = 26380
+    controller_manager_port: int = 26257
+    scheduler_port: int = 26259
+    kube_proxy_healthz_port: int = 26256
+    kube_proxy_metrics_port: int = 26249
+    dns_port: int = 26053
     kubelet_port: int = 10250
     kubelet_healthz_port: int = 10248
-    netpol_healthz_port: int = 36244
+    netpol_healthz_port: int = 26244
     # The kubelet waits 10 s, doubling to 5 min, before restarting a crashed container;
     # tests want to see several restarts in seconds, so the local node starts lower.
     restart_backoff_initial_s: float = 1.0

@@ -17,23 +17,19 @@ The nft table `ip kubeshard-node<i>` keeps everything on the machine:
 
 The ptp plugin switches on IPv4 forwarding and the kubelet sets its kernel tunables
 (vm.overcommit_memory, kernel.panic, kernel.panic_on_oops); `setup` records the
-host's values and `teardown` puts them back. `setup` also reserves the cluster's ports
-(net.ipv4.ip_local_reserved_ports): they lie in the kernel's ephemeral range, and an
-outgoing connection that happened to take one as its local port made a component's
-listen fail ("bind: address already in use" for kube-router's health port, once).
+host's values and `teardown` puts them back. (The cluster's ports lie below the
+kernel's ephemeral range, so no outgoing connection holds one: see ClusterConfig.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 from pathlib import Path
 
 from ..config import ClusterConfig
 
-RESERVED_PORTS = "net/ipv4/ip_local_reserved_ports"
-SYSCTLS = (RESERVED_PORTS, "net/ipv4/ip_forward", "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
+SYSCTLS = ("net/ipv4/ip_forward", "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
            "kernel/panic_on_oops", "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
 CNI_NETWORK = "kubeshard"
 
@@ -112,17 +108,10 @@ def write_cni_config(c: ClusterConfig) -> Path:
     return conf_dir
 
 
-def cluster_ports(c: ClusterConfig) -> list[int]:
-    """Every port the cluster's components listen on."""
-    return sorted({getattr(c, f.name) for f in dataclasses.fields(c) if f.name.endswith("_port")})
-
-
 def setup(c: ClusterConfig) -> None:
     teardown(c)
     saved = {k: Path("/proc/sys", k).read_text().strip() for k in SYSCTLS}
     _saved_sysctls(c).write_text(json.dumps(saved))
-    reserved = ",".join(x for x in [saved[RESERVED_PORTS], *map(str, cluster_ports(c))] if x)
-    Path("/proc/sys", RESERVED_PORTS).write_text(reserved)
     dev = node_interface(c)
     # A bridge without ports holds the addresses (this kernel has no dummy driver).
     _run("ip", "link", "add", dev, "type", "bridge")
