@@ -49,9 +49,11 @@ def onednn_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# Rows of x up to which our float32 kernel beats oneDNN (measured on AVX2 machines:
-# bench/results/cpu-kernels.md).
-SMALL_ROWS = 4
+# Rows of x up to which our float32 kernel beats oneDNN on a step's pass over the
+# weights (bench/results/cpu-kernels.md: 1.5-1.7x at one row, 1.1-1.2x at 24, even at
+# 32, on the default and the small model). Speculative verifications (k + 1 rows) and
+# decode batches up to 24 sequences fall under it.
+SMALL_ROWS = 24
 
 
 class SmallBatchGemm:

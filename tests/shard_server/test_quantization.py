@@ -61,7 +61,7 @@ def exact_q4(x, packed, scales, mins, group):
     return (dots * d[:, None, :] * ws[None] + wm[None] * xs[:, None, :] + 8 * ws[None] * (xs - qsum)[:, None, :]).sum(-1)
 
 
-SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (33, 70, 64)]
+SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]
 
 
 @pytest.mark.parametrize("m,n,kdim", SHAPES)
@@ -71,6 +71,25 @@ def test_float32_kernel_matches_linear(k, m, n, kdim):
     want = F.linear(x.double(), w.double(), b.double())
     got = k.gemm_f32(x, w, b)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_float32_kernel_of_the_portable_builds_matches_linear(march):
+    """The kernels built for an AVX2-only CPU and for plain x86-64 (the test above checks
+    this CPU's own build): their float32 tiles are other code, checked here too."""
+    from kubeshard_shard.engine import kernels
+    from kubeshard_shard.hardware import CpuFeatures
+
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(CpuFeatures.detect().flags):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    built = kernels.module(march=march)
+    assert built is not None, f"the CPU kernels failed to build for -march={march}"
+    for m, n, kdim in SHAPES:
+        gen = torch.Generator().manual_seed(m * n)
+        x, w, b = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen), torch.randn(n, generator=gen)
+        want = F.linear(x.double(), w.double(), b.double())
+        got = built.gemm_f32(x, w, b)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (m, n, kdim)
 
 
 @pytest.mark.parametrize("m,n,kdim", SHAPES)

@@ -68,18 +68,20 @@ def _build_dir(flags: str) -> Path:
 
 
 @functools.cache
-def module(cpu_flags: str = ""):
+def module(cpu_flags: str = "", march: str = "native"):
     """Builds (once per machine: the build is cached on disk, keyed by the sources and
     the CPU's flags) and loads the CPU kernels' module; None when it cannot be built
-    (the torch paths serve)."""
+    (the torch paths serve). ``march``: the instruction set the compiler targets, this
+    CPU's own unless a test builds a portable variant (``x86-64-v3``: AVX2 and FMA,
+    ``x86-64``: the scalar paths) to check those paths on a machine with more."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        build_dir = _build_dir(cpu_flags or CpuFeatures.detect().line)
+        build_dir = _build_dir((cpu_flags or CpuFeatures.detect().line) + ("" if march == "native" else march))
         return load_extension(
             name=f"kubeshard_cpu_{build_dir.name.rsplit('_', 1)[-1]}",
             sources=[str(CSRC / name) for name in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
+            extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -31,19 +31,53 @@ namespace ks {
 constexpr int64_t KS_PREFETCH = 512;  // bytes ahead in each weight row
 
 // ---------------------------------------------------------------------------- float32
+// A tile: MR rows of x by NR rows of W, each accumulator one (x row, W row) pair. Wide
+// tiles (NR = 12) keep a dozen W rows streaming at once, which is what brings one row of
+// x near the memory's read speed; with AVX-512's 32 registers two rows of x share each
+// W load (bench/results/cpu-kernels.md, `--against 043dba8`: 1.2x at one row and 1.3x at
+// six to eight against the four-row tiles of three x rows this replaced).
+#if defined(KS_AVX512)
+constexpr int64_t F32_NR = 12, F32_MR = 2;
 template <int MR, int NR>
 static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
-#if defined(KS_AVX2)
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm512_loadu_ps(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  if (k < K) {  // the last K % 16 values, by masked loads
+    const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
+    __m512 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm512_maskz_loadu_ps(mask, w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m][n]) + (bias ? bias[n] : 0.f);
+}
+#elif defined(KS_AVX2)
+constexpr int64_t F32_NR = 12, F32_MR = 1;  // 16 registers: one row of x, no spills
+template <int MR, int NR>
+static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    __m256 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int n = 0; n < NR; ++n) {
+      const __m256 wv = _mm256_loadu_ps(w + n * K + k);
+      for (int m = 0; m < MR; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -52,15 +86,19 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
       for (int64_t t = k; t < K; ++t) s += x[m * K + t] * w[n * K + t];
       y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
     }
+}
 #else
+constexpr int64_t F32_NR = 4, F32_MR = 1;
+template <int MR, int NR>
+static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
       float s = 0.f;
       for (int64_t t = 0; t < K; ++t) s += x[m * K + t] * w[n * K + t];
       y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
     }
-#endif
 }
+#endif
 
 // Runs `tile<MR, NR>` over rows [n0, n1) of W for every row of x, in chunks of MR rows
 // of x (a tile of W stays in L1 while the chunks pass over it).
@@ -76,7 +114,7 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
       const int64_t left = M - m;                                                    \
       if (left >= 4 && MR_MAX >= 4) { CALL(4, NR); m += 4; }                         \
       else if (left >= 3 && MR_MAX >= 3) { CALL(3, NR); m += 3; }                    \
-      else if (left >= 2) { CALL(2, NR); m += 2; }                                   \
+      else if (left >= 2 && MR_MAX >= 2) { CALL(2, NR); m += 2; }                    \
       else { CALL(1, NR); m += 1; }                                                  \
     }                                                                                \
   }
@@ -101,12 +139,12 @@ at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) 
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t NR = 4;
+  constexpr int64_t NR = F32_NR;
   const int64_t tiles = (N + NR - 1) / NR;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
 #define KS_CALL(mr, nr) f32_tile<mr, nr>(xp + m * K, K, wp + n * K, yp + m * N + n, N, b ? b + n : nullptr)
-    KS_FOR_TILES(NR, 3, KS_CALL)
+    KS_FOR_TILES(NR, F32_MR, KS_CALL)
 #undef KS_CALL
   });
   return y;

@@ -1,0 +1,167 @@
+"""Where our float32 small-batch GEMM (``engine/csrc/gemm.cpp``) beats the library's.
+
+A decode step multiplies a few rows (one per sequence, or a speculative verification's
+proposals) by every weight of the model, each read once from memory. This times one
+pass over all of a model's float32 linear layers, in layer order, as a step makes it
+(the weights are far larger than the caches, so they stream from memory), for M rows of
+input with each GEMM path, side by side and interleaved in one run: our kernel, oneDNN's
+fused linear (the path ``compute.py`` takes for larger products) and ``F.linear``. The
+LM head is timed apart: a step multiplies only the rows that sample by it.
+``compute.SMALL_ROWS`` (the most rows our kernel takes) is chosen from these numbers.
+``--against REF`` adds our kernel as it was at git revision REF, built beside today's,
+to measure a change to the kernel side by side. ``--march x86-64-v3`` builds both for an
+AVX2-only CPU (the path such machines take) instead of this one's own instruction set;
+its results go to ``cpu-kernels-x86-64-v3.md``.
+
+    python -m bench.cpu_gemm_bench [--models default,small] [--rows 1,2,4,8,16,32] [--reps 9] [--against REF]
+                                   [--march native|x86-64-v3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import demo_model, machine, md_table, rerender, write_results
+from kubeshard_shard import compute
+from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
+from kubeshard_shard.engine import kernels
+from kubeshard_shard.models.layers import LMHead, Linear
+
+ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+
+
+def model_weights(model_dir) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The float32 weights of a model's linear layers in layer order, and its LM head's."""
+    from bench.quantization_bench import engine
+
+    model = engine(model_dir).engine.runner.model
+    layers = [m.weight.data for m in model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
+    return layers, model.lm_head.weight.data
+
+
+def kernel_at(ref: str, march: str):
+    """``gemm_f32`` of the CPU kernels as they were at git revision ``ref``, built from
+    that revision's sources in a temporary folder for ``-march=<march>``."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    repo = Path(__file__).resolve().parent.parent
+    csrc = kernels.CSRC.relative_to(repo)
+    folder = Path(tempfile.mkdtemp(prefix="kubeshard-kernels-"))
+    for name in kernels.SOURCES + kernels.HEADERS:
+        text = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{csrc / name}"], check=True,
+                              capture_output=True, text=True).stdout
+        (folder / name).write_text(text)
+    built = load_extension(name=f"kubeshard_cpu_at_{abs(hash((ref, march)))}", build_directory=str(folder),
+                           sources=[str(folder / name) for name in kernels.SOURCES],
+                           extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"],
+                           extra_ldflags=["-fopenmp"])
+    return built.gemm_f32
+
+
+def pass_seconds(gemm, weights: list[torch.Tensor], rows: int) -> float:
+    xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+    started = time.perf_counter()
+    for w in weights:
+        gemm(xs[w.shape[1]], w, None)
+    return time.perf_counter() - started
+
+
+def measure(weights: list[torch.Tensor], rows: list[int], reps: int, paths: dict) -> dict:
+    out = {}
+    for m in rows:
+        times = {name: [] for name in paths}
+        for gemm in paths.values():
+            pass_seconds(gemm, weights, m)  # warm-up
+        for _ in range(reps):  # interleaved, so a noisy moment hits every path alike
+            for name, gemm in paths.items():
+                times[name].append(pass_seconds(gemm, weights, m))
+        out[m] = {name: statistics.median(t) * 1000 for name, t in times.items()}
+        print(m, out[m], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="default,small")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--against", help="also time our kernel as it was at this git revision")
+    parser.add_argument("--march", default="native", help="the instruction set to build for (x86-64-v3: AVX2)")
+    parser.add_argument("--render", action="store_true")
+    args = parser.parse_args()
+    name = "cpu-kernels" if args.march == "native" else f"cpu-kernels-{args.march}"
+    if args.render:
+        rerender(name, render)
+        return
+    torch.set_num_threads(os.cpu_count() or 1)
+    built = kernels.module(march=args.march)
+    if built is None:
+        raise SystemExit("the CPU kernels could not be built: nothing to compare")
+    paths = {"ours": built.gemm_f32, "onednn": compute.onednn_gemm, "F.linear": F.linear}
+    if args.against:
+        paths["against"] = kernel_at(args.against, args.march)
+    rows = [int(r) for r in args.rows.split(",")]
+    results = {"machine": machine(), "small_rows": compute.SMALL_ROWS, "reps": args.reps, "models": {},
+               "command": f"python -m bench.cpu_gemm_bench --models {args.models} --rows {args.rows} "
+                          f"--reps {args.reps}" + (f" --against {args.against}" if args.against else "")
+                          + (f" --march {args.march}" if args.march != "native" else ""),
+               "against": args.against, "march": args.march,
+               "load_average_1m": {"before": os.getloadavg()[0]}}
+    for name in args.models.split(","):
+        model_dir = local_checkpoint(default_model_file()) if name == "default" else demo_model(size=name)
+        layers, head = model_weights(model_dir)
+        results["models"][name] = {
+            "layer_bytes": sum(w.numel() * 4 for w in layers), "head_bytes": head.numel() * 4,
+            "layers": measure(layers, rows, args.reps, paths),
+            "head": measure([head], [r for r in rows if r <= 8], args.reps, paths)}
+        del layers, head
+    results["load_average_1m"]["after"] = os.getloadavg()[0]
+    write_results(name, results, render(results))
+
+
+def _table(section: dict, against: str | None) -> list[str]:
+    rows = []
+    for m, t in section.items():
+        best = min(t["onednn"], t["F.linear"])
+        row = [m, f"{t['ours']:.2f}", f"{t['onednn']:.2f}", f"{t['F.linear']:.2f}", f"{best / t['ours']:.2f}×"]
+        if against:
+            row += [f"{t['against']:.2f}", f"{t['against'] / t['ours']:.2f}×"]
+        rows.append(row)
+    header = ["rows", "ours ms", "oneDNN ms", "F.linear ms", "ours vs the better library"]
+    if against:
+        header += [f"ours at {against} ms", f"ours vs ours at {against}"]
+    return md_table(header, rows, right=True)
+
+
+def render(r: dict) -> str:
+    m = r["machine"]
+    lines = ["# The float32 small-batch GEMM against oneDNN and F.linear (CPU)", "",
+             f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Our kernels "
+             f"built with `-march={r.get('march', 'native')}`.", "",
+             "One pass over every float32 linear layer of the model, in layer order (what one step "
+             "multiplies), for each number of input rows; median of the runs, the paths interleaved. "
+             "*ours vs …*: the other path's time over ours (above 1×, ours is faster). "
+             f"`compute.SMALL_ROWS` when this ran: {r['small_rows']} (products with at most that many rows "
+             "take our kernel).", ""]
+    for name, section in r["models"].items():
+        lines += [f"## {name} model: the layers ({section['layer_bytes'] / 2**20:.0f} MiB)", "",
+                  *_table(section["layers"], r.get("against")), "",
+                  f"## {name} model: the LM head ({section['head_bytes'] / 2**20:.0f} MiB)", "",
+                  *_table(section["head"], r.get("against")), ""]
+    la = r.get("load_average_1m", {})
+    if "after" in la:
+        lines.append(f"1-minute load average: {la['before']:.1f} before, {la['after']:.1f} after (2 cores).")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
