@@ -98,9 +98,9 @@ def main() -> None:
     parser.add_argument("--march", default="native", help="the instruction set to build for (x86-64-v3: AVX2)")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
-    name = "cpu-kernels" if args.march == "native" else f"cpu-kernels-{args.march}"
+    results_name = "cpu-kernels" if args.march == "native" else f"cpu-kernels-{args.march}"
     if args.render:
-        rerender(name, render)
+        rerender(results_name, render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
     built = kernels.module(march=args.march)
@@ -125,7 +125,7 @@ def main() -> None:
             "head": measure([head], [r for r in rows if r <= 8], args.reps, paths)}
         del layers, head
     results["load_average_1m"]["after"] = os.getloadavg()[0]
-    write_results(name, results, render(results))
+    write_results(results_name, results, render(results))
 
 
 def _table(section: dict, against: str | None) -> list[str]:
@@ -146,7 +146,10 @@ def render(r: dict) -> str:
     m = r["machine"]
     lines = ["# The float32 small-batch GEMM against oneDNN and F.linear (CPU)", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Our kernels "
-             f"built with `-march={r.get('march', 'native')}`.", "",
+             f"built with `-march={r.get('march', 'native')}`"
+             + (" (oneDNN and F.linear choose their instruction set at run time, this CPU's own: on an "
+                "AVX2-only machine they would lose what this one's AVX-512 gives them)."
+                if r.get("march", "native") != "native" else "."), "",
              "One pass over every float32 linear layer of the model, in layer order (what one step "
              "multiplies), for each number of input rows; median of the runs, the paths interleaved. "
              "*ours vs …*: the other path's time over ours (above 1×, ours is faster). "
