@@ -90,6 +90,15 @@ def md_table(header: list[str], rows, right: bool = False, left: tuple[int, ...]
     return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
+def load_average_lines(r: dict) -> list[str]:
+    """The results' 1-minute load average before and after the run, as Markdown lines
+    (none when the run did not finish)."""
+    la = r.get("load_average_1m", {})
+    if "after" not in la:
+        return []
+    return [f"1-minute load average: {la['before']:.1f} before, {la['after']:.1f} after (2 cores)."]
+
+
 def rerender(name: str, render) -> None:
     """A benchmark's ``--render``: rewrites ``results/<name>.md`` from its ``.json`` with
     ``render(data)``, running nothing."""

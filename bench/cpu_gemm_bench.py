@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import demo_model, machine, md_table, rerender, write_results
+from bench.common import demo_model, load_average_lines, machine, md_table, rerender, write_results
 from kubeshard_shard import compute
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.engine import kernels
@@ -160,9 +160,7 @@ def render(r: dict) -> str:
                   *_table(section["layers"], r.get("against")), "",
                   f"## {name} model: the LM head ({section['head_bytes'] / 2**20:.0f} MiB)", "",
                   *_table(section["head"], r.get("against")), ""]
-    la = r.get("load_average_1m", {})
-    if "after" in la:
-        lines.append(f"1-minute load average: {la['before']:.1f} before, {la['after']:.1f} after (2 cores).")
+    lines += load_average_lines(r)
     return "\n".join(lines) + "\n"
 
 

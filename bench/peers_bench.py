@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.common import RESULTS, demo_model, kubeshard, machine, peak_rss_bytes, write_results
+from bench.common import RESULTS, demo_model, kubeshard, load_average_lines, machine, peak_rss_bytes, write_results
 from kubeshard_shard.paths import cache_root
 from tests.support.engines import missing, start_peer, stop_engine
 from tests.support.gguf_files import write_gguf
@@ -193,9 +193,8 @@ def render(r: dict) -> str:
         lines.append(f"| {name} | {a['output_tok_s']:.1f} | {a['ttft_p50_ms']:,.0f} / {a['ttft_p99_ms']:,.0f} ms | "
                      f"{b['ttft_p50_ms']:.1f} ms | {b['tpot_p50_ms']:.1f} ms | {b['itl_p50_ms']:.1f} ms | "
                      f"{row['peak_rss_bytes'] / 2**20:,.0f} MiB |")
-    la = r.get("load_average_1m", {})
-    if "after" in la:
-        lines += ["", f"1-minute load average: {la['before']:.1f} before, {la['after']:.1f} after (2 cores)."]
+    if load_average_lines(r):
+        lines += ["", *load_average_lines(r)]
     return "\n".join(lines) + "\n"
 
 

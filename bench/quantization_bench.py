@@ -23,7 +23,7 @@ import time
 import psutil
 import torch
 
-from bench.common import demo_model, machine, rerender, write_results
+from bench.common import demo_model, load_average_lines, machine, rerender, write_results
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.engine.attention import KVCache
@@ -209,9 +209,7 @@ def render(r: dict) -> str:
             lines.append(f"| {kv} | {row['bytes_per_token']} | {row['tokens_in_budget']} ({row['budget']}) | "
                          f"{row['batch']} × {row['context']} | {row['decode_ms_per_step']:.1f} | {diff} |")
         lines.append("")
-    la = r.get("load_average_1m", {})
-    if "after" in la:
-        lines.append(f"1-minute load average: {la['before']:.1f} before, {la['after']:.1f} after (2 cores).")
+    lines += load_average_lines(r)
     return "\n".join(lines) + "\n"
 
 
