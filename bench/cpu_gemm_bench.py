@@ -51,8 +51,6 @@ def model_weights(model_dir) -> tuple[list[torch.Tensor], torch.Tensor]:
 def kernel_at(ref: str, march: str):
     """``gemm_f32`` of the CPU kernels as they were at git revision ``ref``, built from
     that revision's sources in a temporary folder for ``-march=<march>``."""
-    from torch.utils.cpp_extension import load as load_extension
-
     repo = Path(__file__).resolve().parent.parent
     csrc = kernels.CSRC.relative_to(repo)
     folder = Path(tempfile.mkdtemp(prefix="kubeshard-kernels-"))
@@ -60,11 +58,7 @@ def kernel_at(ref: str, march: str):
         text = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{csrc / name}"], check=True,
                               capture_output=True, text=True).stdout
         (folder / name).write_text(text)
-    built = load_extension(name=f"kubeshard_cpu_at_{abs(hash((ref, march)))}", build_directory=str(folder),
-                           sources=[str(folder / name) for name in kernels.SOURCES],
-                           extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"],
-                           extra_ldflags=["-fopenmp"])
-    return built.gemm_f32
+    return kernels.compile_extension(f"kubeshard_cpu_at_{abs(hash((ref, march)))}", folder, folder, march).gemm_f32
 
 
 def pass_seconds(gemm, weights: list[torch.Tensor], rows: int) -> float:

@@ -193,8 +193,9 @@ def render(r: dict) -> str:
         lines.append(f"| {name} | {a['output_tok_s']:.1f} | {a['ttft_p50_ms']:,.0f} / {a['ttft_p99_ms']:,.0f} ms | "
                      f"{b['ttft_p50_ms']:.1f} ms | {b['tpot_p50_ms']:.1f} ms | {b['itl_p50_ms']:.1f} ms | "
                      f"{row['peak_rss_bytes'] / 2**20:,.0f} MiB |")
-    if load_average_lines(r):
-        lines += ["", *load_average_lines(r)]
+    load = load_average_lines(r)
+    if load:
+        lines += ["", *load]
     return "\n".join(lines) + "\n"
 
 

@@ -67,6 +67,22 @@ def _build_dir(flags: str) -> Path:
     return path
 
 
+def compile_extension(name: str, source_dir: Path, build_dir: Path, march: str = "native"):
+    """Compiles ``SOURCES`` from ``source_dir`` into ``build_dir`` for ``-march=<march>``
+    with the kernels' compiler flags, and loads the module as ``name`` (raises when the
+    build fails)."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    return load_extension(
+        name=name,
+        sources=[str(source_dir / source) for source in SOURCES],
+        extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
 @functools.cache
 def module(cpu_flags: str = "", march: str = "native"):
     """Builds (once per machine: the build is cached on disk, keyed by the sources and
@@ -75,17 +91,8 @@ def module(cpu_flags: str = "", march: str = "native"):
     CPU's own unless a test builds a portable variant (``x86-64-v3``: AVX2 and FMA,
     ``x86-64``: the scalar paths) to check those paths on a machine with more."""
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
         build_dir = _build_dir((cpu_flags or CpuFeatures.detect().line) + ("" if march == "native" else march))
-        return load_extension(
-            name=f"kubeshard_cpu_{build_dir.name.rsplit('_', 1)[-1]}",
-            sources=[str(CSRC / name) for name in SOURCES],
-            extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        return compile_extension(f"kubeshard_cpu_{build_dir.name.rsplit('_', 1)[-1]}", CSRC, build_dir, march)
     except Exception as exc:  # no compiler, no ninja, ...: serve with the torch fallback
         log.warning("CPU kernels unavailable, using the torch paths: %s", str(exc).splitlines()[0])
         return None

@@ -101,7 +101,7 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 #endif
 
 // Runs `tile<MR, NR>` over rows [n0, n1) of W for every row of x, in chunks of MR rows
-// of x (a tile of W stays in L1 while the chunks pass over it).
+// of x (a tile of W stays in cache while the chunks pass over it).
 #define KS_FOR_TILES(NR, MR_MAX, CALL)                                             \
   for (int64_t n0_ = n0; n0_ < n1; n0_ += NR) {                                      \
     if (n0_ + NR > n1) { /* the last, partial tile: one row of W at a time */       \
