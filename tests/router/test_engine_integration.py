@@ -171,11 +171,13 @@ def two_replicas(demo_model):
 
 def test_replica_killed_before_first_token_retries_elsewhere(two_replicas):
     router, shards = two_replicas
+    # The router is ready once one replica is; a replica killed before its first probe
+    # answered never enters the ring, and nothing would be retried (this failed CI twice).
+    assert wait_for(lambda: metric(router, "kubeshard_router_ready_replicas") == 2, 30)
     shards[0].kill()
     # Each prompt lands on the replica its prefix hashes to; the first one that lands on
-    # the dead replica is retried on the live one (which then takes every later request).
-    # Eight prompts all hashed to the live replica once in CI (1 in 256 with two replicas
-    # and random ports), so prompts keep coming, up to 32, until a retry was seen.
+    # the dead replica is retried on the live one (which then takes every later request),
+    # so prompts keep coming, up to 32, until a retry was seen.
     for i in range(32):
         body = {"inputs": f"Prompt number {i} " * 6, "parameters": {"max_new_tokens": 4}}
         r = httpx.post(router.url + "/generate", json=body, timeout=60)
