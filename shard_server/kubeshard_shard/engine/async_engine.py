@@ -6,9 +6,11 @@ in one ``call_soon_threadsafe`` call. A cancelled or abandoned stream posts an a
 which the loop applies before its next step, freeing the request's KV blocks at once.
 
 The model server runs the loop in the process's main thread (``run``) and asyncio in a
-second one: torch's CPU kernels ran about 15% slower when called from a secondary
-thread than from the main one here (OpenMP team and allocator arena per thread), and
-the engine loop is the hot path. ``start`` runs the loop in a thread of its own, for
+second one, and no other thread that lives on runs parallel torch ops: each such thread
+keeps an OpenMP team of its own, and with more teams' threads than CPUs libgomp stops
+spinning between parallel regions (a decode step stepped from a second thread took 32 ms
+here against 22-25 ms from the main thread, which had its team already; see
+``server.fresh_thread``). The engine loop is the hot path. ``start`` runs the loop in a thread of its own, for
 callers that only have an event loop (tests, tools).
 
 While the only work left waits on the activation cache (a fetch from Redis, another

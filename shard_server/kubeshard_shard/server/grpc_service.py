@@ -20,6 +20,7 @@ from kubeshard_proto import pb, pb_grpc
 from kubeshard_shard import __version__
 from kubeshard_shard.engine.async_engine import AsyncEngine, EngineFailed, EngineOverloaded, EngineUnavailable
 from kubeshard_shard.server.factory import ServedModel
+from kubeshard_shard.server.fresh_thread import run_in_fresh_thread
 from kubeshard_shard.engine.llm_engine import EngineStats, TokenOutput
 from kubeshard_shard.engine.request import MAX_SEQUENCES, RequestError, check_prompt, make_sampling_params
 from kubeshard_shard.engine.sequence import FinishReason, GrammarSpec, SamplingParams
@@ -284,13 +285,14 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             source = lora.runtime_source(request.source)
 
-            def load():  # off the event loop: reading the files and restacking the buffers take a while
+            def load():  # off the event loop (reading the files and restacking the buffers take a while),
+                # in a thread that ends: see fresh_thread
                 adapter = load_adapter(request.name, source, runner.model, self.served.dtype, self.served.device,
                                        lora.max_rank)
                 lora.add(adapter)
                 return adapter
 
-            adapter = await asyncio.to_thread(load)
+            adapter = await run_in_fresh_thread(load, "lora-load")
         except FileExistsError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except RuntimeLoadsOff as exc:

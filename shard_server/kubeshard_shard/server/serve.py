@@ -21,6 +21,7 @@ from kubeshard_proto import pb, pb_grpc
 from kubeshard_shard.config import ListenConfig
 from kubeshard_shard.engine.async_engine import AsyncEngine
 from kubeshard_shard.server.factory import ServedModel
+from kubeshard_shard.server.fresh_thread import run_in_fresh_thread
 from kubeshard_shard.server.grpc_service import GroupInfo, TextGenerationService
 from kubeshard_shard.server.metrics import EngineMetrics
 
@@ -118,8 +119,8 @@ def run_leader(model_id: str, revision: str, group: GroupInfo, listen: ListenCon
     """Serves one model replica from this process until SIGTERM; returns the exit code.
 
     The engine loop runs in this (the main) thread, gRPC and asyncio in a second one
-    (see ``engine.async_engine`` for why). ``load`` runs in a third while the health
-    port already answers NOT_SERVING."""
+    (see ``engine.async_engine`` for why). ``load`` runs in a third, which ends when it
+    has loaded (see ``fresh_thread``), while the health port already answers NOT_SERVING."""
     handoff = Handoff()
 
     def server_thread() -> None:
@@ -149,7 +150,7 @@ async def _serve(model_id: str, revision: str, group: GroupInfo, listen: ListenC
     server, health_reporter, port = await open_grpc_server(listen, service)
     log.info("gRPC listening on %s:%d (NOT_SERVING while loading)", listen.host, port)
     try:
-        served = await asyncio.to_thread(load)
+        served = await run_in_fresh_thread(load, "load")
     except Exception as exc:
         log.error("cannot load the model: %s", exc)
         await server.stop(0)
