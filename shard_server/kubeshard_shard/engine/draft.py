@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs, slots_of
+from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs, decode_tables, slots_of
 from kubeshard_shard.engine.rejection import race, target_probs
 from kubeshard_shard.engine.sequence import Sequence
+
+
+# A catch-up this short (the newest token and the proposals kept, after a verification)
+# goes as decode rows; a longer one (a prompt) as a prefill chunk.
+CATCH_UP_ROWS = 16
 
 
 class DraftProposer:
@@ -63,26 +68,42 @@ class DraftProposer:
     # ---- one draft forward pass ------------------------------------------------------
     @staticmethod
     def _catch_up(runner: ModelRunner, batch: list[tuple[Sequence, int]]) -> StepInputs:
-        """Every sequence's tokens the draft has not seen, up to its newest, as chunks
-        that continue its cached context; the logits of each chunk's last token."""
+        """Every sequence's tokens the draft has not seen, up to its newest, continuing its
+        cached context; the logits of each sequence's newest token. A few tokens (after a
+        verification) go as decode rows, which the paged kernel serves; a prompt goes as a
+        chunk (see ``ModelRunner.prepare``)."""
         bs = runner.block_size
+        pending = [(seq, min(seq.draft_computed, seq.num_tokens - 1), seq.num_tokens) for seq, _ in batch]
+        as_rows, as_chunks = [], []
+        for p in pending:
+            (as_rows if runner.decode_kernel is not None and p[2] - p[1] <= CATCH_UP_ROWS else as_chunks).append(p)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        rows: list[int] = []
+        tables, lens = [], []
+        newest: dict[int, int] = {}  # id(sequence) -> the row of its newest token
+        for seq, start, end in as_rows:
+            for p in range(start, end):
+                tables.append(seq.block_table)
+                lens.append(p + 1)
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(slots_of(seq.block_table, start, end, bs))
+            newest[id(seq)] = len(ids) - 1
         chunks, context = [], []
-        for seq, _ in batch:
-            start, end = min(seq.draft_computed, seq.num_tokens - 1), seq.num_tokens
+        for seq, start, end in as_chunks:
             chunks.append((len(ids), end - start, start))
             context.append(torch.tensor(slots_of(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(slots_of(seq.block_table, start, end, bs))
-            rows.append(len(ids) - 1)
+            newest[id(seq)] = len(ids) - 1
+        block_tables, context_lens, max_len = decode_tables(tables, lens)
         return StepInputs(input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
                           slot_mapping=torch.tensor(slots, dtype=torch.long),
-                          logits_indices=torch.tensor(rows, dtype=torch.long), prefill_chunks=chunks,
-                          context_slots=context)
+                          logits_indices=torch.tensor([newest[id(seq)] for seq, _ in batch], dtype=torch.long),
+                          num_decode=len(lens), block_tables=block_tables, context_lens=context_lens,
+                          max_context_len=max_len, prefill_chunks=chunks, context_slots=context)
 
     @staticmethod
     def _next(runner: ModelRunner, batch: list[tuple[Sequence, int]], step: int) -> StepInputs:
@@ -96,13 +117,12 @@ class DraftProposer:
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             tables.append(seq.block_table)
             lens.append(p + 1)
-        width = max(len(t) for t in tables)
+        block_tables, context_lens, max_len = decode_tables(tables, lens)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             logits_indices=torch.arange(len(ids), dtype=torch.long), num_decode=len(ids),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            context_lens=torch.tensor(lens, dtype=torch.int32), max_context_len=max(lens))
+            block_tables=block_tables, context_lens=context_lens, max_context_len=max_len)
 
     @staticmethod
     def _pick(seq: Sequence, row: torch.Tensor) -> tuple[int, torch.Tensor | None]:

@@ -62,7 +62,7 @@ def _long(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
-def _decode_tables(tables: list[list[int]], lens: list[int]
+def decode_tables(tables: list[list[int]], lens: list[int]
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
     """The decode rows' block tables (padded with block 0 to the longest), their context
     lengths and the longest; (None, None, 0) when there are none."""
@@ -113,8 +113,16 @@ class ModelRunner:
             tokens = [seq.token_ids[start]] + seq.spec_tokens
             end = start + len(tokens)
             verify_rows.append((seq, len(ids), len(tokens)))
-            chunks.append((len(ids), len(tokens), start))
-            context_slots.append(_long(slots_of(seq.block_table, 0, start, bs)) if start else None)
+            if self.decode_kernel is not None:
+                # Each token as a decode row over the sequence's block table (the step writes
+                # every row's K/V before attention reads the pool), so the paged kernel
+                # serves it; as a chunk, every layer would gather the whole context, concatenate
+                # and mask (a verification step took 1.4-1.7x a decode step that way).
+                tables.extend([seq.block_table] * len(tokens))
+                lens.extend(range(start + 1, end + 1))
+            else:
+                chunks.append((len(ids), len(tokens), start))
+                context_slots.append(_long(slots_of(seq.block_table, 0, start, bs)) if start else None)
             ids.extend(tokens)
             pos.extend(range(start, end))
             slots.extend(slots_of(seq.block_table, start, end, bs))
@@ -148,10 +156,10 @@ class ModelRunner:
             prompt_rows.append((seq, len(rows), len(chunk_rows), first_token))
             rows.extend(chunk_rows)
 
-        block_tables, context_lens, max_len = _decode_tables(tables, lens)
+        block_tables, context_lens, max_len = decode_tables(tables, lens)
         inputs = StepInputs(
             input_ids=_long(ids), positions=_long(pos), slot_mapping=_long(slots), logits_indices=_long(rows),
-            num_decode=len(decodes), block_tables=block_tables, context_lens=context_lens, max_context_len=max_len,
+            num_decode=len(lens), block_tables=block_tables, context_lens=context_lens, max_context_len=max_len,
             prefill_chunks=chunks, context_slots=context_slots,
         )
         if self.lora is not None and (any(s.adapter_slot for s in sched.decodes)
