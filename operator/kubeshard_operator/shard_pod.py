@@ -83,6 +83,8 @@ def speed_args(spec: InferenceServiceSpec) -> list[str]:
     if not s.enabled:
         return args
     args += ["--speculative", s.method, "--num-speculative-tokens", str(s.num_tokens)]
+    if s.disable_by_batch_size:
+        args += ["--speculative-disable-by-batch-size", str(s.disable_by_batch_size)]
     if s.method == "ngram":
         args += ["--speculative-ngram-min", str(s.ngram_min), "--speculative-ngram-max", str(s.ngram_max)]
     draft = draft_dir(spec)

@@ -175,6 +175,7 @@ class Speculative:
     ngram_max: int = 4
     draft_model: Optional[ModelSource] = None  # a PVC or host folder or .gguf file
     draft_quantize: str = "none"
+    disable_by_batch_size: int = 0  # no speculation while this many sequences run (0: never off)
 
     @property
     def enabled(self) -> bool:
@@ -532,7 +533,15 @@ def _speculative(s: Mapping[str, Any]) -> Speculative:
     return Speculative(method=method,
                        num_tokens=_int(s, "numTokens", f"{where}.numTokens", default=4, minimum=1,
                                        maximum=MAX_SPECULATIVE_TOKENS),
-                       ngram_min=lo, ngram_max=hi, draft_model=draft, draft_quantize=draft_quantize)
+                       ngram_min=lo, ngram_max=hi, draft_model=draft, draft_quantize=draft_quantize,
+                       disable_by_batch_size=_batch_size_off(s, f"{where}.disableByBatchSize"))
+
+
+def _batch_size_off(s: Mapping[str, Any], where: str) -> int:
+    value = _int(s, "disableByBatchSize", where, default=0, minimum=0, maximum=4096)
+    if value == 1:
+        raise SpecError(f"{where} must be 0 (never) or between 2 and 4096, not 1 (which would never speculate)")
+    return value
 
 
 def _kv_memory(value: Any) -> Optional[str]:

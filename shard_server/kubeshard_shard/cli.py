@@ -104,6 +104,9 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-draft-quantize", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the draft model (float32 on CPU); int4 makes the target's "
                         "own checkpoint a cheap draft of itself")
+    g.add_argument("--speculative-disable-by-batch-size", type=non_negative_int, default=0, metavar="N",
+                   help="no speculation in a step while N or more sequences run (0: at any batch size); "
+                        "large batches gain little from it")
 
 
 def add_activation_cache_flags(p: argparse.ArgumentParser, with_url: bool) -> None:

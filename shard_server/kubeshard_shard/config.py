@@ -124,7 +124,8 @@ class SpeculativeConfig:
     """Speculative decoding (``engine.speculative``): ``method`` none, ngram (proposals
     looked up in the sequence's own tokens: suffixes of ``ngram_min`` to ``ngram_max``
     tokens) or draft (``draft_model``, a smaller checkpoint of the same tokenizer,
-    optionally quantized); ``num_tokens`` proposed per step."""
+    optionally quantized); ``num_tokens`` proposed per step; none while
+    ``disable_by_batch_size`` or more sequences run (0: at any batch size)."""
 
     method: str = "none"
     num_tokens: int = 4
@@ -132,6 +133,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_model: Path | None = None
     draft_quantize: str = "none"
+    disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -149,6 +151,9 @@ class SpeculativeConfig:
                              f"--speculative {self.method})")
         if self.draft_quantize not in ("none", "int8", "int4"):
             raise ValueError(f"--speculative-draft-quantize must be none, int8 or int4; got '{self.draft_quantize}'")
+        if self.disable_by_batch_size < 0 or self.disable_by_batch_size == 1:
+            raise ValueError(f"--speculative-disable-by-batch-size must be 0 (never) or at least 2 (1 would never "
+                             f"speculate); got {self.disable_by_batch_size}")
 
     @property
     def enabled(self) -> bool:
@@ -161,12 +166,14 @@ class SpeculativeConfig:
                    ngram_min=getattr(args, "speculative_ngram_min", 2),
                    ngram_max=getattr(args, "speculative_ngram_max", 4),
                    draft_model=Path(draft).expanduser() if draft else None,
-                   draft_quantize=getattr(args, "speculative_draft_quantize", "none"))
+                   draft_quantize=getattr(args, "speculative_draft_quantize", "none"),
+                   disable_by_batch_size=getattr(args, "speculative_disable_by_batch_size", 0))
 
     def to_flags(self) -> list[str]:
         out = ["--speculative", self.method, "--num-speculative-tokens", str(self.num_tokens),
                "--speculative-ngram-min", str(self.ngram_min), "--speculative-ngram-max", str(self.ngram_max),
-               "--speculative-draft-quantize", self.draft_quantize]
+               "--speculative-draft-quantize", self.draft_quantize,
+               "--speculative-disable-by-batch-size", str(self.disable_by_batch_size)]
         if self.draft_model is not None:
             out += ["--speculative-draft-model", str(self.draft_model)]
         return out

@@ -14,7 +14,7 @@ from tests.operator.factories import CFG, make_spec
 GGUF = "/cache/models/smollm2.Q8_0.gguf"
 SPEED_FLAGS = ("--quantize", "--quantize-group-size", "--kv-cache-dtype", "--speculative",
                "--num-speculative-tokens", "--speculative-ngram-min", "--speculative-ngram-max",
-               "--speculative-draft-model", "--speculative-draft-quantize")
+               "--speculative-draft-model", "--speculative-draft-quantize", "--speculative-disable-by-batch-size")
 
 
 def shard(spec) -> dict:
@@ -75,6 +75,10 @@ def test_ngram_speculation_passes_its_window():
     assert (flag(argv, "--speculative"), flag(argv, "--num-speculative-tokens")) == ("ngram", "6")
     assert (flag(argv, "--speculative-ngram-min"), flag(argv, "--speculative-ngram-max")) == ("1", "8")
     assert "--speculative-draft-model" not in argv
+    assert "--speculative-disable-by-batch-size" not in argv  # the server's default: at any batch size
+    paused = make_spec(engine=speculative(method="ngram", disableByBatchSize=4))
+    assert paused.engine.speculative.disable_by_batch_size == 4
+    assert flag(args(paused), "--speculative-disable-by-batch-size") == "4"
     # zero3 groups speculate too (only quantization is refused there)
     assert make_spec(sharding={"strategy": "zero3", "shards": 2},
                      engine=speculative(method="ngram")).engine.speculative.enabled
@@ -145,6 +149,10 @@ def test_the_draft_source_parses_like_an_adapters():
     ({"engine": speculative(method="ngram", ngramMin=5)},
      r"spec.engine.speculative.ngramMin \(5\) must be at most .*ngramMax \(4; default 4\)"),
     ({"engine": speculative(method="ngram", ngramMax=65)}, "spec.engine.speculative.ngramMax must be at most 64"),
+    ({"engine": speculative(method="ngram", disableByBatchSize=1)},
+     "spec.engine.speculative.disableByBatchSize must be 0 .* not 1"),
+    ({"engine": speculative(method="ngram", disableByBatchSize=-2)},
+     "spec.engine.speculative.disableByBatchSize must be at least 0"),
     ({"engine": speculative(method="ngram", draftModel="/d")},
      "spec.engine.speculative.draftModel is only used with spec.engine.speculative.method draft"),
     ({"engine": speculative(method="draft")},
@@ -184,7 +192,7 @@ def test_a_quantized_draft_on_a_gpu_is_fine_when_speculation_is_off():
 @pytest.mark.parametrize("overrides, draft", [
     ({"model": {"source": "/m", "quantize": "int4", "quantizeGroupSize": 64}, "engine": {"kvCacheDtype": "int8"}},
      None),
-    ({"engine": speculative(method="ngram", numTokens=6, ngramMin=1, ngramMax=8)}, None),
+    ({"engine": speculative(method="ngram", numTokens=6, ngramMin=1, ngramMax=8, disableByBatchSize=8)}, None),
     ({"engine": speculative(method="draft", draftModel="pvc://drafts/tiny.gguf", draftQuantize="int4")},
      "/draft/tiny.gguf"),
     ({"model": {"source": GGUF, "quantize": "gguf"}, "engine": speculative(method="draft", draftQuantize="int8")},
@@ -205,4 +213,5 @@ def test_the_shard_server_reads_the_pods_command_line_as_the_spec_says(overrides
     got = config.speculative
     assert (got.method, got.num_tokens, got.draft_quantize) == (s.method, s.num_tokens, s.draft_quantize)
     assert (got.ngram_min, got.ngram_max) == (s.ngram_min, s.ngram_max)
+    assert got.disable_by_batch_size == s.disable_by_batch_size
     assert (str(got.draft_model) if got.draft_model else None) == draft

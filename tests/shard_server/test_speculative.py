@@ -177,6 +177,32 @@ def test_requests_may_turn_it_off_and_constrained_rows_do_not_speculate(demo_mod
     assert out == token_ids(run_to_completion(plain, [(prompt, off), (prompt, penalized)]))
 
 
+def test_speculation_pauses_while_disable_by_batch_size_sequences_run(demo_model):
+    model = demo_model("llama")
+    prompts = copy_heavy(random_prompts(3, 1000, (20, 20), seed=5))
+    spec = SpeculativeConfig("draft", K, draft_model=model, disable_by_batch_size=3)
+    plain = token_ids(run_to_completion(build_engine(model).engine, [(p, greedy(20)) for p in prompts]))
+    # three sequences of one length run together from start to end: no step speculates
+    fast = build_engine(model, speculative=spec).engine
+    assert token_ids(run_to_completion(fast, [(p, greedy(20)) for p in prompts])) == plain
+    assert fast.stats().speculative.drafts == 0
+    # two run below the limit: they speculate (a self-draft: every proposal kept)
+    assert token_ids(run_to_completion(fast, [(p, greedy(20)) for p in prompts[:2]])) == plain[:2]
+    assert fast.stats().speculative.drafts > 0
+    # a short third one: speculation resumes when it ends, and the draft catches up
+    before = fast.stats().speculative.drafts
+    mixed = token_ids(run_to_completion(fast, [(prompts[0], greedy(20)), (prompts[1], greedy(20)),
+                                               (prompts[2], greedy(3))]))
+    assert mixed[:2] == plain[:2] and mixed[2] == plain[2][:3]
+    stats = fast.stats().speculative
+    assert stats.drafts > before and stats.accepted_tokens == stats.draft_tokens
+
+
+def test_disable_by_batch_size_of_one_is_refused():
+    with pytest.raises(ValueError, match="--speculative-disable-by-batch-size must be 0 .* got 1"):
+        SpeculativeConfig("ngram", K, disable_by_batch_size=1)
+
+
 # ---- sampled output -------------------------------------------------------------------
 def sampled(seed: int, n: int = 12, **kw):
     return make_sampling_params(max_new_tokens=n, do_sample=True, temperature=1.0, seed=seed, ignore_eos=True, **kw)

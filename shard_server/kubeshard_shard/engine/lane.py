@@ -26,7 +26,7 @@ class Lane:
 
     @classmethod
     def create(cls, index: int, num_blocks: int, block_size: int, prefix_caching: bool, max_batch_tokens: int,
-               max_num_seqs: int, lookahead: Callable[[Sequence], int] | None = None) -> "Lane":
+               max_num_seqs: int, lookahead: Callable[[Sequence, int], int] | None = None) -> "Lane":
         bm = BlockManager(num_blocks, block_size, prefix_caching)
         return cls(index, bm, Scheduler(bm, max_batch_tokens, max_num_seqs, lookahead))
 

@@ -43,7 +43,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
-                 lookahead: Callable[[Sequence], int] | None = None) -> None:
+                 lookahead: Callable[[Sequence, int], int] | None = None) -> None:
         self.block_manager = block_manager
         self.lookahead = lookahead
         self.max_batch_tokens = max_batch_tokens
@@ -106,7 +106,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
-            extra = min(self.lookahead(seq), budget - 1) if self.lookahead is not None else 0
+            extra = min(self.lookahead(seq, len(self.running)), budget - 1) if self.lookahead is not None else 0
             if self._reserve(seq, 1 + extra, out, scheduled):
                 out.decodes.append(seq)
                 out.lookaheads.append(extra)

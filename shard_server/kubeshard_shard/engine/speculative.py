@@ -8,9 +8,10 @@ decoding sequence that speculates, the engine:
    their KV slots, preempting as for any allocation);
 2. *proposes* up to ``k`` tokens (``Proposer``: ``engine.ngram`` looks them up in the
    sequence's own tokens, ``engine.draft`` asks a smaller model);
-3. *verifies* them: the model runner computes the newest token and the proposals as one
-   chunk over the cached context (an ordinary step for every rank of a sharded group),
-   and ``engine.rejection`` keeps the longest agreeing run plus one more token — the
+3. *verifies* them: the model runner computes the newest token and the proposals in
+   one step (an ordinary step for every rank of a sharded group): each as a decode row
+   over the cached context where the paged decode kernel runs, else as one chunk; then
+   ``engine.rejection`` keeps the longest agreeing run plus one more token — the
    same tokens as without speculation for greedy requests, the same distribution for
    sampled ones.
 
@@ -19,7 +20,10 @@ by later steps; the prefix cache only registers blocks of kept tokens.
 
 A request speculates unless it turned it off, and only where the one-token-at-a-time
 semantics need no state between positions: not under a grammar, repetition/frequency/
-presence penalties, or before ``min_new_tokens``.
+presence penalties, or before ``min_new_tokens``. With ``disable_by_batch_size`` no
+sequence of a lane speculates in a step while that many sequences run in it (vLLM's
+option of that name): a large batch already fills the step, and its verifications would
+only add rows (measured: ngram at 8 clients 0.85-1.0x of plain decoding).
 """
 
 from __future__ import annotations
@@ -60,17 +64,21 @@ class SpeculativeStats:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, num_tokens: int) -> None:
+    def __init__(self, proposer: Proposer, num_tokens: int, disable_by_batch_size: int = 0) -> None:
         self.proposer = proposer
         self.num_tokens = num_tokens
+        self.disable_by_batch_size = disable_by_batch_size  # 0: speculate at any batch size
         self.totals = SpeculativeStats(accepted_per_position=[0] * num_tokens)
 
     @property
     def method(self) -> str:
         return self.proposer.name
 
-    def lookahead(self, seq: Sequence) -> int:
-        """Proposals a decoding sequence may get this step (0: it decodes one token)."""
+    def lookahead(self, seq: Sequence, running: int) -> int:
+        """Proposals a decoding sequence may get this step, ``running`` sequences running
+        in its lane (0: it decodes one token)."""
+        if self.disable_by_batch_size and running >= self.disable_by_batch_size:
+            return 0
         p = seq.params
         if not p.speculative or seq.matcher is not None or p.has_penalties:
             return 0

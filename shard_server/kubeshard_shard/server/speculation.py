@@ -34,7 +34,9 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, compute: C
                  spec.ngram_min, spec.ngram_max, spec.num_tokens)
     else:
         proposer = build_draft(config, spec, model_config, compute, tokenizer, limits, num_blocks, lanes)
-    return Speculator(proposer, spec.num_tokens)
+    if spec.disable_by_batch_size:
+        log.info("speculative decoding pauses while %d or more sequences run", spec.disable_by_batch_size)
+    return Speculator(proposer, spec.num_tokens, spec.disable_by_batch_size)
 
 
 def build_draft(config: EngineConfig, spec: SpeculativeConfig, model_config: ModelConfig, compute: Compute,
