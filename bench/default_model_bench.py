@@ -162,8 +162,8 @@ No response cache; one unmeasured warm-up on other questions before each side.
 Peak RSS: model server {rss.get('model_server', 0) / 2**20:.0f} MiB (its float32 weights are 540 MB; its KV pool was
 given 1 GiB), router {rss.get('router', 0) / 2**20:.0f} MiB.
 
-For scale, the `small` demo model in `engine.md` (~32M parameters, 8 layers) decodes at
-11.6 ms per token for one client; SmolLM2 is about 4× the parameters and 30 layers deep.
+For scale, `engine.md` measures the `small` demo model (~32M parameters, 8 layers) the
+same way; SmolLM2 is about 4× the parameters and 30 layers deep.
 This machine is shared and its speed drifts between runs (see the README), so compare
 figures within one run; the 1-minute load average was {r['load_average_1m']['before']:.1f} before this run and
 {r['load_average_1m']['after']:.1f} after it (2 cores: above 2, other work shared the cores).
