@@ -27,10 +27,13 @@ case "${1:-up}" in
     command -v dockerd >/dev/null || "$here/ensure-system-deps.sh" --containers
     wrapper="$("$here/node-tools.sh" runc-wrapper)"
     echo "docker: starting dockerd (log $state/dockerd.log)" >&2
+    # dockerd outlives its caller, so it must not inherit the caller's descriptors:
+    # hack/images.sh holds its build locks on 7 and 8, and a dockerd holding one blocked
+    # the next build of that image for the lock's hour.
     setsid dockerd --iptables=false --ip-forward=false --ip-masq=false --bridge=none \
       --add-runtime "kubeshard-runc=$wrapper" --default-runtime=kubeshard-runc \
       --storage-driver=overlay2 --exec-opt native.cgroupdriver=cgroupfs \
-      --pidfile "$state/dockerd.pid" >>"$state/dockerd.log" 2>&1 </dev/null &
+      --pidfile "$state/dockerd.pid" >>"$state/dockerd.log" 2>&1 </dev/null 7>&- 8>&- 9>&- &
     for _ in $(seq 1 120); do
       if docker info >/dev/null 2>&1; then exit 0; fi
       sleep 0.5

@@ -100,6 +100,9 @@ def test_shard_server_image_serves_a_mounted_model_read_only(cluster, namespace,
         model=demo_model_dir, shard_ip="unused"))
     shard = wait_for(lambda: (p := get(cluster, namespace, "pod", "shard")) and is_ready(p) and p,
                      timeout=240, what="the shard pod to answer its gRPC readiness probe")
+    # the image has no compiler: its CPU kernels are the ones built into it (engine.kernels)
+    shard_log = cluster.pod_logs(namespace, "shard")
+    assert "CPU kernels: the x86-64" in shard_log and "decode kernel on" in shard_log, shard_log
     apply_yaml(cluster, namespace, SHARD_AND_ROUTER.split("---")[1].format(
         shard_image=project_image("shard-server"), router_image=project_image("router"),
         model=demo_model_dir, shard_ip=shard["status"]["podIP"]))

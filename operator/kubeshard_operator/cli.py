@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llamacpp-image", default=DEFAULT_LLAMACPP_IMAGE,
                    help="image of spec.runtime.name llamacpp (llama-cpp-python's server)")
     p.add_argument("--shard-cache-dir", default=None, metavar="PATH",
-                   help="KUBESHARD_CACHE of shard pods: where the shard image keeps its prebuilt "
-                        "kernels (default: the image's own)")
+                   help="KUBESHARD_CACHE of shard pods: a writable folder where GGUF files are "
+                        "converted (default: the pod's /tmp)")
     p.add_argument("--image-pull-policy", default="IfNotPresent",
                    choices=["Always", "IfNotPresent", "Never"])
     p.add_argument("--reconcile-interval", type=float, default=10.0,

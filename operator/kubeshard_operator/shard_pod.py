@@ -183,8 +183,9 @@ def shard_env(spec: InferenceServiceSpec, index: int,
         {"name": "HOME", "value": "/tmp"},
     ]
     if cache_dir:
-        # A cache that already holds the compiled CPU kernels (the shard image has none):
-        # found there instead of compiled again in every new pod, minutes of a cold start.
+        # A cache that outlives the pod (a hostPath volume): GGUF conversions are found
+        # there instead of made again in every new pod. (The CPU kernels come prebuilt in
+        # the shard image: KUBESHARD_PREBUILT_KERNELS.)
         ours.append({"name": "KUBESHARD_CACHE", "value": cache_dir})
     if redis_url:
         ours.append({"name": "KUBESHARD_REDIS_URL", "value": redis_url})

@@ -13,7 +13,12 @@ is bound by memory, and this runs at a good fraction of the machine's DRAM bandw
 It is built with torch's C++ extension loader on first use (g++ and ninja), cached
 outside the clone, and keyed by its source and the CPU's flags; when it cannot be built,
 or for a head size it does not handle, the torch fallback in ``attention.py`` serves
-(slower, same results up to float rounding).
+(slower, same results up to float rounding). A machine without a compiler (the shard
+image) loads a module built ahead of time instead: ``prebuild`` compiles one per x86-64
+level (v4: AVX-512, v3: AVX2 and FMA, and the baseline) with setuptools and torch's
+``BuildExtension`` (which compile without importing, so a build machine need not run
+the AVX-512 one), and ``KUBESHARD_PREBUILT_KERNELS`` names their folder; the highest
+level this CPU runs is loaded.
 
 ``module()`` is the whole extension (decode attention over every pool type, the GEMMs,
 the fused layers), or None when it cannot be built; ``compute.resolve_compute`` takes the
@@ -23,9 +28,13 @@ the model runner and layers. ``load()`` is the float32-only ``paged_decode`` alo
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
+import importlib.util
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +49,14 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.cpp", "gemm.cpp", "fused.cpp", "bindings.cpp")
 HEADERS = ("simd.h",)
 
+
+PREBUILT_ENV = "KUBESHARD_PREBUILT_KERNELS"
+# x86-64 levels, highest first, with the CPU flags (as /proc/cpuinfo names them) each
+# needs beyond the baseline: a module built for a level runs on any CPU that has them.
+_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+LEVELS = (("x86-64-v4", _V4), ("x86-64-v3", _V3), ("x86-64", frozenset()))
 
 CACHE_TYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16, torch.int8),
                torch.bfloat16: (torch.bfloat16,), torch.float16: (torch.float16,)}
@@ -67,6 +84,13 @@ def _build_dir(flags: str) -> Path:
     return path
 
 
+def _cflags(march: str) -> list[str]:
+    return ["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"]
+
+
+LDFLAGS = ["-fopenmp"]
+
+
 def compile_extension(name: str, source_dir: Path, build_dir: Path, march: str = "native"):
     """Compiles ``SOURCES`` from ``source_dir`` into ``build_dir`` for ``-march=<march>``
     with the kernels' compiler flags, and loads the module as ``name`` (raises when the
@@ -76,11 +100,58 @@ def compile_extension(name: str, source_dir: Path, build_dir: Path, march: str =
     return load_extension(
         name=name,
         sources=[str(source_dir / source) for source in SOURCES],
-        extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"],
-        extra_ldflags=["-fopenmp"],
+        extra_cflags=_cflags(march),
+        extra_ldflags=LDFLAGS,
         build_directory=str(build_dir),
         verbose=False,
     )
+
+
+def prebuilt_name(level: str) -> str:
+    return "kubeshard_cpu_" + level.replace("-", "_")
+
+
+def prebuild(out: Path, levels: tuple[str, ...] = tuple(level for level, _ in LEVELS)) -> list[Path]:
+    """Compiles the module once per x86-64 level into ``out/<level>/`` (nothing is
+    imported; symbols stripped, a third of the size); returns the modules' files."""
+    from setuptools import Distribution
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    built = []
+    for level in levels:
+        name = prebuilt_name(level)
+        ext = CppExtension(name, [str(CSRC / source) for source in SOURCES], extra_compile_args=_cflags(level),
+                           extra_link_args=LDFLAGS + ["-s"])
+        dist = Distribution({"name": name, "ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}})
+        command = dist.get_command_obj("build_ext")
+        with tempfile.TemporaryDirectory() as temp:
+            command.build_lib, command.build_temp = str(out / level), temp
+            command.ensure_finalized()
+            command.run()
+        built += sorted((out / level).glob(name + "*.so"))
+    return built
+
+
+def best_prebuilt(folder: Path, cpu: CpuFeatures) -> tuple[str, Path] | None:
+    """The module under ``folder`` for the highest x86-64 level ``cpu`` runs, if any."""
+    for level, needs in LEVELS:
+        if needs <= cpu.flags:
+            found = sorted((folder / level).glob(prebuilt_name(level) + "*.so"))
+            if found:
+                return level, found[0]
+    return None
+
+
+def _load_prebuilt(folder: Path, cpu: CpuFeatures):
+    pick = best_prebuilt(folder, cpu)
+    if pick is None:
+        raise FileNotFoundError(f"{PREBUILT_ENV}={folder} holds no module this CPU runs")
+    level, path = pick
+    spec = importlib.util.spec_from_file_location(prebuilt_name(level), path)
+    built = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(built)
+    log.info("CPU kernels: the %s build in %s", level, folder)
+    return built
 
 
 @functools.cache
@@ -89,8 +160,14 @@ def module(cpu_flags: str = "", march: str = "native"):
     the CPU's flags) and loads the CPU kernels' module; None when it cannot be built
     (the torch paths serve). ``march``: the instruction set the compiler targets, this
     CPU's own unless a test builds a portable variant (``x86-64-v3``: AVX2 and FMA,
-    ``x86-64``: the scalar paths) to check those paths on a machine with more."""
+    ``x86-64``: the scalar paths) to check those paths on a machine with more. With
+    ``KUBESHARD_PREBUILT_KERNELS`` set, this CPU's own build is the prebuilt module of
+    its highest x86-64 level, loaded from that folder (nothing is compiled)."""
+    folder = os.environ.get(PREBUILT_ENV)
     try:
+        if folder and march == "native":
+            return _load_prebuilt(Path(folder), CpuFeatures.parse("flags: " + cpu_flags) if cpu_flags
+                                  else CpuFeatures.detect())
         build_dir = _build_dir((cpu_flags or CpuFeatures.detect().line) + ("" if march == "native" else march))
         return compile_extension(f"kubeshard_cpu_{build_dir.name.rsplit('_', 1)[-1]}", CSRC, build_dir, march)
     except Exception as exc:  # no compiler, no ninja, ...: serve with the torch fallback
@@ -105,6 +182,25 @@ def load(cpu_flags: str = "") -> Callable | None:
     return None if built is None else built.paged_decode
 
 
-if __name__ == "__main__":  # `make install` builds the kernel once, ahead of the first server
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m kubeshard_shard.engine.kernels",
+                                     description="build the CPU kernels: this machine's (`make install` does, "
+                                                 "ahead of the first server), or one per x86-64 level")
+    parser.add_argument("--prebuild", metavar="DIR", help="build one module per x86-64 level into DIR (the shard "
+                                                          "image's build stage); serve with "
+                                                          f"{PREBUILT_ENV}=DIR")
+    parser.add_argument("--require", action="store_true", help="fail when the kernels cannot be loaded")
+    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    print("paged decode kernel:", "ready" if load() is not None else "unavailable (the torch fallback serves)")
+    if args.prebuild:
+        for path in prebuild(Path(args.prebuild)):
+            print("built", path)
+        return
+    ready = load() is not None
+    print("paged decode kernel:", "ready" if ready else "unavailable (the torch fallback serves)")
+    if args.require and not ready:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The CPU kernels built ahead of time, one per x86-64 level (the shard image has no compiler)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubeshard_shard.engine import kernels
+from kubeshard_shard.hardware import CpuFeatures
+from tests.shard_server.test_quantization import SHAPES, check_float32_kernel
+
+AVX2 = CpuFeatures.parse("flags : fpu sse2 cx16 lahf_lm popcnt pni sse4_1 sse4_2 ssse3 avx avx2 bmi1 bmi2 f16c fma "
+                         "abm movbe xsave")
+AVX512 = CpuFeatures(AVX2.flags | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
+BASELINE = CpuFeatures.parse("flags : fpu sse sse2")
+
+
+def fake_modules(folder, levels):
+    for level in levels:
+        (folder / level).mkdir(parents=True)
+        (folder / level / (kernels.prebuilt_name(level) + ".cpython-311-x86_64-linux-gnu.so")).touch()
+
+
+@pytest.mark.parametrize("cpu, present, want", [
+    (AVX512, ("x86-64-v4", "x86-64-v3", "x86-64"), "x86-64-v4"),
+    (AVX2, ("x86-64-v4", "x86-64-v3", "x86-64"), "x86-64-v3"),
+    (BASELINE, ("x86-64-v4", "x86-64-v3", "x86-64"), "x86-64"),
+    (AVX512, ("x86-64-v3", "x86-64"), "x86-64-v3"),   # an image built without the v4 module
+    (AVX2, ("x86-64-v4",), None),                     # nothing this CPU runs
+])
+def test_the_highest_level_the_cpu_runs_is_chosen(tmp_path, cpu, present, want):
+    fake_modules(tmp_path, present)
+    pick = kernels.best_prebuilt(tmp_path, cpu)
+    assert (pick[0] if pick else None) == want
+    if pick:
+        assert pick[1].parent.name == want
+
+
+def test_a_prebuilt_module_is_loaded_and_computes_without_compiling(tmp_path, monkeypatch):
+    """The baseline level (it runs on any x86-64) built with --prebuild's code, then loaded
+    the way a shard pod does: KUBESHARD_PREBUILT_KERNELS set, nothing compiled."""
+    built = kernels.prebuild(tmp_path, ("x86-64",))
+    assert [p.parent.name for p in built] == ["x86-64"]
+    monkeypatch.setenv(kernels.PREBUILT_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, "compile_extension", lambda *a, **k: pytest.fail("compiled instead of loading"))
+    module = kernels.module.__wrapped__(BASELINE.line)
+    assert module is not None and module.__file__ == str(built[0])
+    for m, n, kdim in SHAPES:
+        check_float32_kernel(module, m, n, kdim)
+    assert callable(module.paged_decode_scaled)
+
+
+def test_a_folder_without_a_module_for_this_cpu_leaves_the_torch_paths(tmp_path, monkeypatch):
+    fake_modules(tmp_path, ("x86-64-v4",))
+    monkeypatch.setenv(kernels.PREBUILT_ENV, str(tmp_path))
+    assert kernels.module.__wrapped__(AVX2.line) is None
