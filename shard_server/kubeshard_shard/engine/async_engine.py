@@ -10,8 +10,8 @@ second one, and no other thread that lives on runs parallel torch ops: each such
 keeps an OpenMP team of its own, and with more teams' threads than CPUs libgomp stops
 spinning between parallel regions (a decode step stepped from a second thread took 32 ms
 here against 22-25 ms from the main thread, which had its team already; see
-``server.fresh_thread``). The engine loop is the hot path. ``start`` runs the loop in a thread of its own, for
-callers that only have an event loop (tests, tools).
+``server.fresh_thread``). The engine loop is the hot path. ``start`` runs the loop in a
+thread of its own, for callers that only have an event loop (tests, tools).
 
 While the only work left waits on the activation cache (a fetch from Redis, another
 rank's status), the loop sleeps until the cache's worker wakes it or its hint passes.

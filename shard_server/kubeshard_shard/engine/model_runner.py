@@ -63,7 +63,7 @@ def _long(values: list[int]) -> torch.Tensor:
 
 
 def decode_tables(tables: list[list[int]], lens: list[int]
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
     """The decode rows' block tables (padded with block 0 to the longest), their context
     lengths and the longest; (None, None, 0) when there are none."""
     if not tables:
