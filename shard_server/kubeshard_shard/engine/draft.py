@@ -73,27 +73,25 @@ class DraftProposer:
         verification) go as decode rows, which the paged kernel serves; a prompt goes as a
         chunk (see ``ModelRunner.prepare``)."""
         bs = runner.block_size
-        pending = [(seq, min(seq.draft_computed, seq.num_tokens - 1), seq.num_tokens) for seq, _ in batch]
-        as_rows, as_chunks = [], []
-        for p in pending:
-            (as_rows if runner.decode_kernel is not None and p[2] - p[1] <= CATCH_UP_ROWS else as_chunks).append(p)
+        pending = []  # (sequence, first unseen position, end, as decode rows)
+        for seq, _ in batch:
+            start, end = min(seq.draft_computed, seq.num_tokens - 1), seq.num_tokens
+            pending.append((seq, start, end, runner.decode_kernel is not None and end - start <= CATCH_UP_ROWS))
+        pending.sort(key=lambda p: not p[3])  # decode rows lead the step (stable: batch order within each kind)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         tables, lens = [], []
-        newest: dict[int, int] = {}  # id(sequence) -> the row of its newest token
-        for seq, start, end in as_rows:
-            for p in range(start, end):
-                tables.append(seq.block_table)
-                lens.append(p + 1)
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend(slots_of(seq.block_table, start, end, bs))
-            newest[id(seq)] = len(ids) - 1
         chunks, context = [], []
-        for seq, start, end in as_chunks:
-            chunks.append((len(ids), end - start, start))
-            context.append(torch.tensor(slots_of(seq.block_table, 0, start, bs), dtype=torch.long) if start else None)
+        newest: dict[int, int] = {}  # id(sequence) -> the row of its newest token
+        for seq, start, end, as_rows in pending:
+            if as_rows:
+                tables.extend([seq.block_table] * (end - start))
+                lens.extend(range(start + 1, end + 1))
+            else:
+                chunks.append((len(ids), end - start, start))
+                context.append(torch.tensor(slots_of(seq.block_table, 0, start, bs), dtype=torch.long) if start
+                               else None)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(slots_of(seq.block_table, start, end, bs))
