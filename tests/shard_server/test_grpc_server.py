@@ -121,6 +121,32 @@ def test_every_request_is_counted_once_by_its_outcome(server):
     assert after.get("cancelled", 0) - before.get("cancelled", 0) == 1
 
 
+def test_streams_abandoned_at_varied_points_each_count_once_as_cancelled(server):
+    """grpc.aio ends an abandoned handler in one of two ways, by when the client leaves: it
+    cancels the handler's task while that awaits the engine, or closes the handler's
+    generator while grpc awaits sending a message. Both count, once, and free the stream's
+    blocks."""
+    stub = server.stub()
+    before = requests_by_outcome(server)
+    for i in range(24):
+        call = stub.Generate(request(ids=[20 + i, 21, 22], n=400), timeout=120)
+        for _ in range(1 + i % 6):
+            next(call)
+        if i % 2:  # sometimes leave while the server keeps writing
+            time.sleep(0.02 * (i % 5))
+        call.cancel()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+            requests_by_outcome(server).get("cancelled", 0) - before.get("cancelled", 0) < 24):
+        time.sleep(0.05)
+    after = requests_by_outcome(server)
+    assert after.get("cancelled", 0) - before.get("cancelled", 0) == 24
+    assert after.get("finished", 0) == before.get("finished", 0)
+    while time.monotonic() < deadline and server.stats().kv_blocks_used:
+        time.sleep(0.05)
+    assert server.stats().kv_blocks_used == 0
+
+
 def test_cancelled_stream_frees_its_kv_blocks(server):
     stub = server.stub()
     call = stub.Generate(request(ids=list(range(10, 300)), n=700), timeout=120)

@@ -9,6 +9,7 @@ INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (too many in flight), UNAVAIL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -210,14 +211,17 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         generated = 0
         finished = False
         try:
-            async for out in self.engine.generate(request.request_id, prompt, params):
-                if first is None:
-                    first = time.monotonic()
-                generated += 1
-                if out.done:  # counted before the last message: the client may close the stream on it
-                    finished = True
-                    self._finished(started, first, generated / params.n, out)
-                yield token_message(out)
+            # aclosing: the engine's stream ends (and aborts the request) here, not whenever
+            # the garbage collector finalizes it
+            async with contextlib.aclosing(self.engine.generate(request.request_id, prompt, params)) as outputs:
+                async for out in outputs:
+                    if first is None:
+                        first = time.monotonic()
+                    generated += 1
+                    if out.done:  # counted before the last message: the client may close the stream on it
+                        finished = True
+                        self._finished(started, first, generated / params.n, out)
+                    yield token_message(out)
         except EngineOverloaded as exc:
             self._count("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -227,7 +231,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         except EngineFailed as exc:
             self._count("failed")
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        except asyncio.CancelledError:  # the client went away (or its deadline passed) mid-stream
+        # the client went away (or its deadline passed) mid-stream: grpc.aio cancels the task
+        # while it awaits the engine, but closes this generator (GeneratorExit at the yield)
+        # while it awaits sending a message
+        except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 self._count("cancelled")
             raise
