@@ -16,6 +16,19 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+async def settled_os_threads() -> int:
+    """The OS thread count once it holds still: a thread that has ended for Python (an
+    earlier test's, or an OpenMP team's) may still be leaving the kernel's list."""
+    last = os_threads()
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        now = os_threads()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def parallel_torch_op() -> str:
     a = torch.randn(4_000_000)
     torch.empty_like(a).copy_(a)  # large enough for ATen to open a parallel region
@@ -32,7 +45,7 @@ async def test_leaves_no_os_thread_behind_where_to_thread_does():
     if torch.get_num_threads() < 2:
         pytest.skip("torch runs one thread here: no OpenMP team to leave behind")
     await asyncio.to_thread(lambda: None)  # the default pool's first thread, for a fair baseline below
-    before = os_threads()
+    before = await settled_os_threads()
     await run_in_fresh_thread(parallel_torch_op, "fresh-test")
     for _ in range(100):  # the thread has settled the future; let it finish exiting
         if os_threads() == before:

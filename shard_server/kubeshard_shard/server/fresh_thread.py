@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 async def run_in_fresh_thread(fn: Callable[[], T], name: str) -> T:
-    """``fn()``, run in a new thread named ``name`` that ends when it returns."""
+    """``fn()``, run in a new thread named ``name``, joined before this returns."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -39,5 +39,10 @@ async def run_in_fresh_thread(fn: Callable[[], T], name: str) -> T:
         except RuntimeError:  # the loop closed meanwhile: nobody is waiting
             pass
 
-    threading.Thread(target=target, name=name, daemon=True).start()
-    return await future
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    try:
+        return await future
+    finally:
+        if not future.cancelled():  # settled: the thread's last act was to settle it, so it is ending
+            thread.join()
