@@ -6,7 +6,7 @@ import pytest
 
 from kubeshard_shard.engine import kernels
 from kubeshard_shard.hardware import CpuFeatures
-from tests.shard_server.test_quantization import SHAPES, check_float32_kernel
+from tests.support.cpu_kernels import SHAPES, check_float32_kernel
 
 AVX2 = CpuFeatures.parse("flags : fpu sse2 cx16 lahf_lm popcnt pni sse4_1 sse4_2 ssse3 avx avx2 bmi1 bmi2 f16c fma "
                          "abm movbe xsave")

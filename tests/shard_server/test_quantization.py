@@ -15,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kubeshard_shard.config import EngineConfig
 from kubeshard_shard.models import quant
 
+from tests.support.cpu_kernels import (INT4_GROUPS, INT8_GROUPS, SHAPES, check_float32_kernel, check_int4_kernel,
+                                       check_int8_kernel)
 from tests.support.engine import (build_engine, greedy, prefill_logits, random_prompts, relative_rms,
                                   run_to_completion)
 
@@ -29,58 +30,15 @@ def k(cpu_kernels):
     return cpu_kernels
 
 
-def quantize_x(x: torch.Tensor):
-    """The kernels' activation quantization: per 32 values d = max|x| / 32767 (float32),
-    q = round half to even (x / d)."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    d = (blocks.float().abs().amax(-1) / 32767).double()
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d.float().double())
-    q = torch.round((blocks.float() * inv.float()[..., None]).double())
-    return q, d
-
-
-def exact_q8(x, qw, scales, group):
-    q, d = quantize_x(x)
-    m, nb = q.shape[:2]
-    w = qw.double().reshape(qw.shape[0], nb, 32)
-    dots = torch.einsum("mbi,nbi->mnb", q, w)
-    ws = scales.double().repeat_interleave(group // 32, dim=1)  # [n, nb]
-    return (dots * d[:, None, :] * ws[None]).sum(-1)
-
-
-def exact_q4(x, packed, scales, mins, group):
-    q, d = quantize_x(x)
-    n = packed.shape[0]
-    nb = q.shape[1]
-    nib = torch.stack((packed & 0x0F, packed >> 4), dim=2).reshape(n, nb, 16, 2).transpose(2, 3).reshape(n, nb, 32)
-    dots = torch.einsum("mbi,nbi->mnb", q, nib.double())
-    ws = scales.double().repeat_interleave(group // 32, dim=1)
-    wm = mins.double().repeat_interleave(group // 32, dim=1)
-    xs = x.double().reshape(x.shape[0], nb, 32).sum(-1)
-    qsum = q.sum(-1) * d
-    return (dots * d[:, None, :] * ws[None] + wm[None] * xs[:, None, :] + 8 * ws[None] * (xs - qsum)[:, None, :]).sum(-1)
-
-
-SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]
-
-
-def check_float32_kernel(built, m: int, n: int, kdim: int) -> None:
-    gen = torch.Generator().manual_seed(m * n)
-    x, w, b = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen), torch.randn(n, generator=gen)
-    want = F.linear(x.double(), w.double(), b.double())
-    got = built.gemm_f32(x, w, b)
-    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (m, n, kdim)
-
-
 @pytest.mark.parametrize("m,n,kdim", SHAPES)
 def test_float32_kernel_matches_linear(k, m, n, kdim):
     check_float32_kernel(k, m, n, kdim)
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_float32_kernel_of_the_portable_builds_matches_linear(march):
-    """The kernels built for an AVX2-only CPU and for plain x86-64 (the test above checks
-    this CPU's own build): their float32 tiles are other code, checked here too."""
+def test_gemm_kernels_of_the_portable_builds_are_exact(march):
+    """The kernels built for an AVX2-only CPU and for plain x86-64 (the tests above check
+    this CPU's own build): their float32 and integer tiles are other code, checked here too."""
     from kubeshard_shard.engine import kernels
     from kubeshard_shard.hardware import CpuFeatures
 
@@ -90,39 +48,20 @@ def test_float32_kernel_of_the_portable_builds_matches_linear(march):
     assert built is not None, f"the CPU kernels failed to build for -march={march}"
     for m, n, kdim in SHAPES:
         check_float32_kernel(built, m, n, kdim)
+    for args in INT8_GROUPS:  # the integer tiles differ by build too (AVX2 and VNNI, or scalar)
+        check_int8_kernel(built, *args)
+    for args in INT4_GROUPS:
+        check_int4_kernel(built, *args)
 
 
-@pytest.mark.parametrize("m,n,kdim", SHAPES)
-@pytest.mark.parametrize("group", [32, 64, 0])
+@pytest.mark.parametrize("m,n,kdim,group", INT8_GROUPS)
 def test_int8_kernel_is_exact_integer_arithmetic(k, m, n, kdim, group):
-    if group and kdim % group:
-        pytest.skip("group does not divide K")
-    gen = torch.Generator().manual_seed(7 + m)
-    x, w = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen) * 0.05
-    g = group or kdim
-    qw, scales = quant.quantize_q8(w, g)
-    got = k.gemm_q8(x, qw, scales, g, None).double()
-    want = exact_q8(x, qw, scales, g)
-    scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= 1e-5 * scale
-    dense = F.linear(x.double(), quant.dequantize(quant.Format("q8", group), qw, scales, None).double())
-    assert (got - dense).abs().max().item() <= 1e-4 * scale
+    check_int8_kernel(k, m, n, kdim, group)
 
 
-@pytest.mark.parametrize("m,n,kdim", SHAPES)
-@pytest.mark.parametrize("group,symmetric", [(32, False), (32, True), (64, False)])
+@pytest.mark.parametrize("m,n,kdim,group,symmetric", INT4_GROUPS)
 def test_int4_kernel_is_exact_integer_arithmetic(k, m, n, kdim, group, symmetric):
-    if kdim % group:
-        pytest.skip("group does not divide K")
-    gen = torch.Generator().manual_seed(11 + m)
-    x, w = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen) * 0.05
-    packed, scales, mins = quant.quantize_q4(w, group, symmetric)
-    got = k.gemm_q4(x, packed, scales, mins, group, None).double()
-    want = exact_q4(x, packed, scales, mins, group)
-    scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= 1e-5 * scale
-    dense = F.linear(x.double(), quant.dequantize(quant.Format("q4", group, symmetric), packed, scales, mins).double())
-    assert (got - dense).abs().max().item() <= 1e-4 * scale
+    check_int4_kernel(k, m, n, kdim, group, symmetric)
 
 
 def test_dequantized_rows_equal_the_reference_bit_for_bit(k):

@@ -1,0 +1,83 @@
+"""Checks of the CPU kernels' GEMMs, shared by the tests of this CPU's own build, of the
+portable builds and of the prebuilt modules: float32 against a float64 linear, int8 and
+int4 against a float64 evaluation of the same integer arithmetic (1e-5 of the output's
+scale) and against the float product of the dequantized weights (1e-4: x is quantized to
+int16 per 32 values)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kubeshard_shard.models import quant
+
+SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]  # (rows of x, N, K)
+INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 0) if not group or kdim % group == 0]
+INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES
+               for group, symmetric in ((32, False), (32, True), (64, False)) if kdim % group == 0]
+
+
+def quantize_x(x: torch.Tensor):
+    """The kernels' activation quantization: per 32 values d = max|x| / 32767 (float32),
+    q = round half to even (x / d)."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    d = (blocks.float().abs().amax(-1) / 32767).double()
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d.float().double())
+    q = torch.round((blocks.float() * inv.float()[..., None]).double())
+    return q, d
+
+
+def exact_q8(x, qw, scales, group):
+    q, d = quantize_x(x)
+    m, nb = q.shape[:2]
+    w = qw.double().reshape(qw.shape[0], nb, 32)
+    dots = torch.einsum("mbi,nbi->mnb", q, w)
+    ws = scales.double().repeat_interleave(group // 32, dim=1)  # [n, nb]
+    return (dots * d[:, None, :] * ws[None]).sum(-1)
+
+
+def exact_q4(x, packed, scales, mins, group):
+    q, d = quantize_x(x)
+    n = packed.shape[0]
+    nb = q.shape[1]
+    nib = torch.stack((packed & 0x0F, packed >> 4), dim=2).reshape(n, nb, 16, 2).transpose(2, 3).reshape(n, nb, 32)
+    dots = torch.einsum("mbi,nbi->mnb", q, nib.double())
+    ws = scales.double().repeat_interleave(group // 32, dim=1)
+    wm = mins.double().repeat_interleave(group // 32, dim=1)
+    xs = x.double().reshape(x.shape[0], nb, 32).sum(-1)
+    qsum = q.sum(-1) * d
+    return (dots * d[:, None, :] * ws[None] + wm[None] * xs[:, None, :] + 8 * ws[None] * (xs - qsum)[:, None, :]).sum(-1)
+
+
+def check_float32_kernel(built, m: int, n: int, kdim: int) -> None:
+    gen = torch.Generator().manual_seed(m * n)
+    x, w, b = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen), torch.randn(n, generator=gen)
+    want = F.linear(x.double(), w.double(), b.double())
+    got = built.gemm_f32(x, w, b)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (m, n, kdim)
+
+
+def check_int8_kernel(built, m: int, n: int, kdim: int, group: int) -> None:
+    """``group`` 0: one group per row."""
+    gen = torch.Generator().manual_seed(7 + m)
+    x, w = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen) * 0.05
+    g = group or kdim
+    qw, scales = quant.quantize_q8(w, g)
+    got = built.gemm_q8(x, qw, scales, g, None).double()
+    want = exact_q8(x, qw, scales, g)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * scale, (m, n, kdim, group)
+    dense = F.linear(x.double(), quant.dequantize(quant.Format("q8", group), qw, scales, None).double())
+    assert (got - dense).abs().max().item() <= 1e-4 * scale, (m, n, kdim, group)
+
+
+def check_int4_kernel(built, m: int, n: int, kdim: int, group: int, symmetric: bool) -> None:
+    gen = torch.Generator().manual_seed(11 + m)
+    x, w = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen) * 0.05
+    packed, scales, mins = quant.quantize_q4(w, group, symmetric)
+    got = built.gemm_q4(x, packed, scales, mins, group, None).double()
+    want = exact_q4(x, packed, scales, mins, group)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * scale, (m, n, kdim, group, symmetric)
+    dense = F.linear(x.double(), quant.dequantize(quant.Format("q4", group, symmetric), packed, scales, mins).double())
+    assert (got - dense).abs().max().item() <= 1e-4 * scale, (m, n, kdim, group, symmetric)
