@@ -46,8 +46,8 @@ from kubeshard_shard.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "gemm.cpp", "fused.cpp", "bindings.cpp")
-HEADERS = ("simd.h",)
+SOURCES = ("paged_decode.cpp", "gemm.cpp", "fused.cpp", "fused_decode.cpp", "bindings.cpp")
+HEADERS = ("simd.h", "kernels.h", "fused_decode.h")
 
 
 PREBUILT_ENV = "KUBESHARD_PREBUILT_KERNELS"

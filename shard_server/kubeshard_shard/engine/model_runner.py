@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from kubeshard_shard.engine import fused_decode
 from kubeshard_shard.engine.attention import AttentionMetadata, KVCache, PagedAttention, PrefillChunk
 from kubeshard_shard.engine.scheduler import SchedulerOutput
 from kubeshard_shard.engine.sequence import Sequence
@@ -82,6 +83,8 @@ class ModelRunner:
         self.device = device
         self.decode_kernel = decode_kernel  # the compiled CPU decode attention, or None
         self.block_size = cache.block_size
+        # decode-only steps through every layer in one kernel call, where the model qualifies
+        self.fused = fused_decode.build(model, cache, decode_kernel, lora)
 
     def prepare(self, sched: SchedulerOutput) -> StepPlan:
         bs = self.block_size
@@ -188,10 +191,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        attn = PagedAttention(self.cache, self.metadata(inputs), self.decode_kernel)
-        if self.lora is not None:
-            self.lora.begin_step(inputs.lora_slots)
-        hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
-                            inputs.positions.to(self.device, non_blocking=True), attn)
+        meta = self.metadata(inputs)
+        input_ids = inputs.input_ids.to(self.device, non_blocking=True)
+        positions = inputs.positions.to(self.device, non_blocking=True)
+        if self.fused is not None and self.fused.serves(len(input_ids), meta.num_decode, len(meta.prefills)):
+            hidden = self.fused.run(input_ids, positions, meta)
+        else:
+            if self.lora is not None:
+                self.lora.begin_step(inputs.lora_slots)
+            hidden = self.model(input_ids, positions, PagedAttention(self.cache, meta, self.decode_kernel))
         hidden = hidden.index_select(0, inputs.logits_indices.to(self.device, non_blocking=True))
         return self.model.compute_logits(hidden)

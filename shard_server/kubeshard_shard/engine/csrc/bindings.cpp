@@ -1,27 +1,7 @@
 // The Python module of the CPU kernels (kernels.py builds it from every .cpp here).
 #include <torch/extension.h>
 
-void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, double scale);
-void paged_decode_scaled(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                         torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, double scale);
-
-namespace ks {
-torch::Tensor gemm_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
-torch::Tensor gemm_q8(torch::Tensor x, torch::Tensor w, torch::Tensor scales, int64_t G,
-                      c10::optional<torch::Tensor> bias);
-torch::Tensor gemm_q4(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t G,
-                      c10::optional<torch::Tensor> bias);
-torch::Tensor dequant_rows(torch::Tensor w, torch::Tensor scales, c10::optional<torch::Tensor> mins, int64_t G,
-                           torch::Tensor ids);
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                  torch::Tensor weight, double eps);
-void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin);
-void kv_store(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-              c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-}  // namespace ks
+#include "fused_decode.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, bfloat16, float16)");
@@ -34,4 +14,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &ks::rope_, "rotary embedding of q and k, in place");
   m.def("kv_store", &ks::kv_store, "write K/V rows into the paged cache (quantizing for int8)");
   m.def("silu_mul", &ks::silu_mul, "silu(gate) * up of a fused gate|up projection");
+  // module_local: a process may load several builds of this module (a test builds the
+  // portable ones beside the native one), and pybind11 registers classes process-wide
+  py::class_<ks::FusedDecode>(m, "FusedDecode", py::module_local(),
+                              "a decode-only step through every layer (fused_decode.cpp)")
+      .def(py::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_gemm", &ks::FusedDecode::add_gemm)
+      .def("add_layer", &ks::FusedDecode::add_layer)
+      .def("run", &ks::FusedDecode::run);
 }

@@ -1,0 +1,56 @@
+// The fused decode step (fused_decode.cpp): built once per model runner from the
+// model's weights and KV pool, then run on each qualifying step.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace ks {
+
+class FusedDecode {
+ public:
+  static constexpr int64_t kF32 = 0, kQ8 = 1, kQ4 = 2;
+
+  FusedDecode(at::Tensor cos_sin, at::Tensor final_norm, double final_eps, int64_t heads, int64_t kv_heads,
+              int64_t head_dim, int64_t block_size, double scale);
+  // A linear layer's GEMM: float32 W, or int8 (scales) or packed int4 (scales, minimums)
+  // in groups of `group`; returns its index for add_layer.
+  int64_t add_gemm(int64_t kind, at::Tensor w, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> mins,
+                   int64_t group, c10::optional<at::Tensor> bias);
+  void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, int64_t qkv,
+                 int64_t o, int64_t gate_up, int64_t down, at::Tensor k_cache, at::Tensor v_cache,
+                 c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
+  // The final norm's output [rows, hidden] for the embedded tokens `hidden`, one decoding
+  // sequence per row; writes each row's K/V at its slot in every layer's pool.
+  at::Tensor run(at::Tensor hidden, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                 at::Tensor context_lens) const;
+
+ private:
+  struct Gemm {
+    int64_t kind;
+    at::Tensor w;
+    c10::optional<at::Tensor> scales, mins;
+    int64_t group;
+    c10::optional<at::Tensor> bias;
+    at::Tensor operator()(const at::Tensor& x) const;
+  };
+  struct Layer {
+    at::Tensor input_norm;
+    double input_eps;
+    at::Tensor post_norm;
+    double post_eps;
+    int64_t qkv, o, gate_up, down;
+    at::Tensor k_cache, v_cache;
+    c10::optional<at::Tensor> k_scale, v_scale;
+  };
+  at::Tensor cos_sin_, final_norm_;
+  double final_eps_;
+  int64_t heads_, kv_heads_, head_dim_, block_size_;
+  double scale_;
+  std::vector<Gemm> gemms_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace ks

@@ -1,0 +1,153 @@
+"""The fused decode step (engine/fused_decode.py) against the modules it stands in for:
+every step it serves is run both ways from the same pool, and the logits and the K/V
+written must be equal bit for bit; and the models and steps it must not serve go
+through the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubeshard_shard import compute
+from kubeshard_shard.config import SpeculativeConfig
+from kubeshard_shard.engine import fused_decode
+from kubeshard_shard.models import quant
+from kubeshard_shard.models.layers import Linear
+
+from tests.support.engine import build_engine, greedy, random_prompts, run_to_completion
+
+
+class Twin:
+    """Wraps a runner: each step the fused step serves also runs through the modules from
+    a copy of the pool taken before it, and both results are kept for comparison."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.run = runner, runner.run
+        self.compared, self.rows, self.mismatches = 0, set(), []
+        runner.run = self
+
+    def pool(self):
+        cache = self.runner.cache
+        return cache.data.clone(), None if cache.scales is None else cache.scales.clone()
+
+    def restore(self, saved) -> None:
+        cache = self.runner.cache
+        cache.data.copy_(saved[0])
+        if saved[1] is not None:
+            cache.scales.copy_(saved[1])
+
+    def __call__(self, inputs):
+        fused = self.runner.fused
+        rows = len(inputs.input_ids)
+        if fused is None or not fused.serves(rows, inputs.num_decode, len(inputs.prefill_chunks)):
+            return self.run(inputs)
+        before = self.pool()
+        self.runner.fused = None
+        try:
+            want = self.run(inputs)
+        finally:
+            self.runner.fused = fused
+        want_pool = self.pool()
+        self.restore(before)
+        got = self.run(inputs)
+        got_pool = self.pool()
+        self.compared += 1
+        self.rows.add(rows)
+        same_pool = torch.equal(got_pool[0], want_pool[0]) and (
+            got_pool[1] is None or torch.equal(got_pool[1], want_pool[1]))
+        if not (torch.equal(got, want) and same_pool):
+            self.mismatches.append((rows, (got - want).abs().max().item(), same_pool))
+        return got
+
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2-biases-tied": ("qwen2", {}),
+    "mistral-bfloat16-pool": ("mistral", {"kv_cache_dtype": "bfloat16"}),
+    "llama-int8": ("llama", {"quantize": "int8"}),
+    "llama-int4-int8-pool": ("llama", {"quantize": "int4", "kv_cache_dtype": "int8"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_fused_step_equals_the_modules_bit_for_bit(demo_model, case):
+    arch, overrides = CASES[case]
+    model = demo_model(arch)
+    served = build_engine(model, **overrides)
+    runner = served.engine.runner
+    assert runner.fused is not None, f"{case}: the model should qualify for the fused step"
+    twin = Twin(runner)
+    prompts = random_prompts(5, served.model_config.vocab_size, (3, 40), seed=3)
+    outs = run_to_completion(served.engine, [(p, greedy(12 + 3 * i)) for i, p in enumerate(prompts)])
+    assert all(len(o) == 12 + 3 * i for i, o in enumerate(outs))
+    assert twin.compared >= 20 and max(twin.rows) > 1, (twin.compared, twin.rows)
+    assert not twin.mismatches, twin.mismatches
+
+
+def test_speculative_verification_rows_go_through_the_fused_step(demo_model):
+    """With n-gram proposals a step's verification rows are decode rows; the fused step
+    serves them too, and each is what the modules compute."""
+    model = demo_model("llama")
+    served = build_engine(model, speculative=SpeculativeConfig("ngram", 3, ngram_min=1, ngram_max=3))
+    twin = Twin(served.engine.runner)
+    prompt = [7, 8, 9, 10, 11] * 6
+    run_to_completion(served.engine, [(prompt, greedy(30)), (prompt[:17], greedy(20))])
+    assert twin.compared and max(twin.rows) > 2, (twin.compared, twin.rows)
+    assert not twin.mismatches, twin.mismatches
+
+
+def test_a_wrong_position_is_seen(demo_model):
+    """The comparison can fail: the fused step fed positions one on gives other logits."""
+    served = build_engine(demo_model("llama"))
+    runner = served.engine.runner
+    fused, real = runner.fused, runner.fused.run
+    runner.fused.run = lambda ids, positions, meta: real(ids, positions + 1, meta)
+    twin = Twin(runner)
+    run_to_completion(served.engine, [([5, 6, 7, 8], greedy(4))])
+    assert fused is runner.fused and twin.compared and len(twin.mismatches) == twin.compared
+
+
+@pytest.mark.parametrize("quantize, limit", [("none", compute.SMALL_ROWS), ("int8", quant.MAX_KERNEL_ROWS),
+                                             ("int4", quant.MAX_KERNEL_ROWS)])
+def test_the_step_takes_as_many_rows_as_every_gemm_does_on_our_kernels(demo_model, quantize, limit):
+    fused = build_engine(demo_model("llama"), quantize=quantize).engine.runner.fused
+    assert fused.max_rows == limit
+    assert fused.serves(limit, limit, 0) and fused.serves(1, 1, 0)
+    assert not fused.serves(limit + 1, limit + 1, 0)
+    assert not fused.serves(3, 2, 0) and not fused.serves(3, 3, 1) and not fused.serves(0, 0, 0)
+
+
+@pytest.mark.parametrize("overrides", [{"enable_lora": True}, {"cpu_gemm": "torch"}, {"cpu_kernels": False}],
+                         ids=["lora", "cpu-gemm-torch", "no-cpu-kernels"])
+def test_what_the_modules_must_serve_gets_no_fused_step(demo_model, overrides):
+    served = build_engine(demo_model("llama"), **overrides)
+    assert served.engine.runner.fused is None
+    # and the engine still decodes
+    out = run_to_completion(served.engine, [([5, 6, 7], greedy(3))])
+    assert len(out[0]) == 3
+
+
+def test_a_swapped_layer_or_a_hook_gets_no_fused_step(demo_model):
+    """A sharding pass swaps in subclasses (tensor parallel) or hooks the layers (ZeRO-3):
+    their forward does more than the kernels, so the model does not qualify."""
+    served = build_engine(demo_model("llama"))
+    runner = served.engine.runner
+    model, cache = runner.model, runner.cache
+    assert fused_decode.build(model, cache, runner.decode_kernel, None) is not None
+
+    class ParallelLinear(Linear):
+        pass
+
+    mlp = model.model.layers[0].mlp
+    original = mlp.down_proj
+    mlp.down_proj = ParallelLinear(original.in_features, original.out_features)
+    try:
+        assert fused_decode.build(model, cache, runner.decode_kernel, None) is None
+    finally:
+        mlp.down_proj = original
+    handle = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda module, args: None)
+    try:
+        assert fused_decode.build(model, cache, runner.decode_kernel, None) is None
+    finally:
+        handle.remove()
+    assert fused_decode.build(model, cache, runner.decode_kernel, None) is not None
