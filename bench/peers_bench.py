@@ -14,7 +14,7 @@ Environments: ``hack/engines.sh vllm``, ``hack/engines.sh llamacpp`` and ``hack/
 guidellm`` (built once, cached under $KUBESHARD_CACHE/engines); a server whose
 environment is missing is reported as not run, with the command that builds it.
 
-    python -m bench.peers_bench [--servers kubeshard,kubeshard-int8,kubeshard-int4,vllm,llamacpp-f32,...]
+    python -m bench.peers_bench [--servers kubeshard,vllm,llamacpp-f32,kubeshard-int8,...]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from bench.common import RESULTS, demo_model, kubeshard, load_average_lines, machine, peak_rss_bytes, write_results
+from kubeshard_shard.config import MemoryBudget
 from kubeshard_shard.paths import cache_root
 from tests.support.engines import missing, start_peer, stop_engine
 from tests.support.gguf_files import write_gguf
@@ -41,7 +42,9 @@ MODEL_ID = "small"
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 128
 CONCURRENT, CONCURRENT_REQUESTS, SINGLE_REQUESTS = 64, 64, 16
 KV_BUDGET = "1GiB"  # every server's KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
-SERVERS = ("kubeshard", "kubeshard-int8", "kubeshard-int4", "vllm", "llamacpp-f32", "llamacpp-q8_0",
+# each kubeshard server beside the peers it is compared with, so a drift of the machine's
+# speed during the run (up to a third between hours here) falls on both sides alike
+SERVERS = ("kubeshard", "vllm", "llamacpp-f32", "kubeshard-int8", "llamacpp-q8_0", "kubeshard-int4",
            "llamacpp-q4_0")
 GUIDELLM = cache_root() / "engines" / "guidellm-0.8.1" / "bin" / "guidellm"
 
@@ -103,8 +106,18 @@ def start_server(name: str, model: Path, ggufs: dict[str, Path]):
         proc, url = start_peer("vllm", model, MODEL_ID, 512, extra_args=["--dtype", "float32"])
         return proc, url, lambda: stop_engine(proc)
     qtype = name.split("-", 1)[1].upper()
-    proc, url = start_peer("llamacpp", ggufs[qtype], MODEL_ID, 512 * CONCURRENT)
+    proc, url = start_peer("llamacpp", ggufs[qtype], MODEL_ID, llamacpp_context(model))
     return proc, url, lambda: stop_engine(proc)
+
+
+def llamacpp_context(model: Path) -> int:
+    """llama.cpp's context in tokens for the same KV budget as the others: as many float16
+    K/V tokens (its cache type) as fill it. Its server holds one context for every
+    request, so 64 streams of 256 tokens need 16,384; the budget gives far more."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+    return MemoryBudget.parse(KV_BUDGET).bytes // per_token
 
 
 def not_built(name: str) -> str | None:
@@ -132,7 +145,8 @@ def main() -> None:
     results = {"machine": machine(), "command": f"python -m bench.peers_bench --servers {args.servers}",
                "workload": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                             "concurrent": CONCURRENT, "concurrent_requests": CONCURRENT_REQUESTS,
-                            "single_requests": SINGLE_REQUESTS, "harness": "guidellm 0.8.1", "kv_budget": KV_BUDGET},
+                            "single_requests": SINGLE_REQUESTS, "harness": "guidellm 0.8.1", "kv_budget": KV_BUDGET,
+                            "llamacpp_context": llamacpp_context(model)},
                "servers": {}, "load_average_1m": {"before": os.getloadavg()[0]}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -174,13 +188,15 @@ def main() -> None:
 
 def render(r: dict) -> str:
     m, w = r["machine"], r["workload"]
+    llamacpp = (f"llama.cpp: a context of {w['llamacpp_context']:,} float16 tokens, which fill it"
+                if "llamacpp_context" in w else "llama.cpp: its context for 64 sequences of 512")
     lines = ["# kubeshard against vLLM-CPU and llama.cpp (one harness, one run)", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}.", "",
              f"Harness: {w['harness']}, streaming `/v1/completions`, synthetic prompts of {w['prompt_tokens']} tokens, "
              f"{w['output_tokens']} output tokens, greedy, EOS ignored; {w['concurrent_requests']} requests from "
              f"{w['concurrent']} concurrent clients, then {w['single_requests']} from 1 client. Model: the `small` demo "
              "model (float32 folder for kubeshard and vLLM; GGUF files of the same weights for llama.cpp). Servers "
-             f"one at a time; KV budget {w['kv_budget']} each (llama.cpp: its context for 64 sequences of 512). "
+             f"one at a time; KV budget {w['kv_budget']} each ({llamacpp}). "
              "TPOT: guidellm's time per output token (request latency over output tokens); ITL: the time between "
              "streamed tokens.", "",
              "| server | out tok/s @64 | TTFT p50 / p99 @64 | TTFT p50 @1 | TPOT p50 @1 | ITL p50 @1 | peak RSS |",

@@ -33,7 +33,7 @@ VLLM_VERSION=0.32.0
 VLLM_TORCH_VERSION=2.13.0
 ONNX_GENAI_VERSION=0.18.0
 GUIDELLM_VERSION=0.8.1
-RECIPE=1
+RECIPE=2
 
 usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
@@ -107,12 +107,17 @@ EOF
 case "$name" in
   llamacpp)
     # One CPU variant for this machine (no per-ISA copies), no tools, tests or the
-    # multimodal library: the server needs libllama and ggml only.
+    # multimodal library: the server needs libllama and ggml only. AMX is left out of
+    # -march=native: on a Xeon with AMX (a VM, 2026-12-05) the server built with it
+    # dropped the connection on every request against a quantized GGUF. --no-cache-dir:
+    # pip would otherwise reuse a wheel it built earlier with other CMAKE_ARGS.
     export CMAKE_BUILD_PARALLEL_LEVEL="$jobs" MAKEFLAGS="-j$jobs"
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     export CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF \
 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
--DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DGGML_OPENMP=ON"
-    pip install -q "llama-cpp-python[server]==$LLAMACPP_VERSION"
+-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DGGML_OPENMP=ON \
+-DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+    pip install -q --no-cache-dir "llama-cpp-python[server]==$LLAMACPP_VERSION"
     "$py" -c "import llama_cpp, llama_cpp.server; print('llama_cpp', llama_cpp.__version__)" >&2
     ;;
   vllm)
