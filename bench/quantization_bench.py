@@ -4,8 +4,9 @@
    GGUF file's own Q4_1/Q8_0 kept quantized, ``gguf``) on the default model and the
    ``small`` demo model, against each one's memory-bandwidth bound: weight bytes read per
    token ÷ this machine's measured copy bandwidth (a decode step must read every weight
-   once). Resident memory of the process after loading each one, and greedy agreement
-   with float32 (the first differing token of each answer).
+   once). Resident memory of the process after loading each one, greedy agreement
+   with float32 (the first differing token of each answer), and the same decode with
+   the fused decode step off, side by side.
 2. KV pools: tokens that fit in the same memory, decode time at batch 16 over a long
    context, and greedy agreement, for float32, bfloat16 and int8 pools.
 
@@ -103,18 +104,25 @@ def weights_section(name: str, model_dir, methods: list[str], tokens: int, bandw
         rss = psutil.Process().memory_info().rss - rss_before
         prompts = [prompt_ids(model_dir, t) for t in PROMPTS]
         decode_run(served, prompts[:1], 8)  # warm-up
-        per_token = []
+        per_token, modules = [], []
         answers = []
+        runner = served.engine.runner
+        fused = runner.fused
         for p in prompts:
             a, steps = decode_run(served, [p], tokens)
             answers.append(a[0])
             per_token.append(statistics.median(steps))
+            if fused is not None:  # the same answer through the modules, side by side
+                runner.fused = None
+                modules.append(statistics.median(decode_run(served, [p], tokens)[1]))
+                runner.fused = fused
         wb = weight_bytes(served.engine.runner.model)
         ms = statistics.median(per_token) * 1000
         if reference is None:
             reference = answers
         agreement = [first_difference(r, a) for r, a in zip(reference, answers)]
         rows[method] = {"decode_ms_per_token": ms, "weight_bytes": wb, "bound_ms": wb / bandwidth * 1000,
+                        "modules_ms_per_token": statistics.median(modules) * 1000 if modules else None,
                         "over_bound": ms / (wb / bandwidth * 1000), "rss_delta_bytes": rss,
                         "first_differing_token": agreement}
         print(name, method, rows[method], flush=True)
@@ -189,16 +197,19 @@ def render(r: dict) -> str:
              "Batch-1 greedy decode, in-process (no gRPC or HTTP), median step time over "
              f"{r['tokens']} tokens of each of {len(PROMPTS)} chat prompts. *bound*: weight bytes a step reads ÷ "
              "copy bandwidth. *first differing token*: where each answer departs from float32's (— : never, "
-             "within the tokens generated).", ""]
+             "within the tokens generated). *modules*: the same decode with the fused decode step off "
+             "(every layer through its Python modules), each prompt right after its fused run.", ""]
     for name, section in r["models"].items():
         lines += [f"## {name} model", "",
-                  "| weights | decode ms/token | weight bytes | bound ms | × bound | RSS after load | first differing "
-                  "token |", "|---|---:|---:|---:|---:|---:|---|"]
+                  "| weights | decode ms/token | weight bytes | bound ms | × bound | modules ms/token | RSS after load "
+                  "| first differing token |", "|---|---:|---:|---:|---:|---:|---:|---|"]
         for method, row in section["weights"].items():
             diff = ", ".join("—" if d is None else str(d) for d in row["first_differing_token"])
+            modules = row.get("modules_ms_per_token")
+            modules = "—" if modules is None else f"{modules:.2f} ({modules / row['decode_ms_per_token']:.2f}×)"
             lines.append(f"| {'float32' if method == 'none' else method} | {row['decode_ms_per_token']:.2f} | "
                          f"{row['weight_bytes'] / 2**20:.1f} MiB | {row['bound_ms']:.2f} | {row['over_bound']:.2f} | "
-                         f"{row['rss_delta_bytes'] / 2**20:.0f} MiB | {diff} |")
+                         f"{modules} | {row['rss_delta_bytes'] / 2**20:.0f} MiB | {diff} |")
         lines.append("")
     if "kv" in r:
         lines += ["## KV pool types (same memory budget)", "",
