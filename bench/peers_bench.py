@@ -28,9 +28,12 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 
 from bench.common import RESULTS, demo_model, kubeshard, load_average_lines, machine, peak_rss_bytes, write_results
 from kubeshard_shard.config import MemoryBudget
+from kubeshard_shard.engine.attention import KVCache
+from kubeshard_shard.models.config import load_model_config
 from kubeshard_shard.paths import cache_root
 from tests.support.engines import missing, start_peer, stop_engine
 from tests.support.gguf_files import write_gguf
@@ -114,9 +117,9 @@ def llamacpp_context(model: Path) -> int:
     """llama.cpp's context in tokens for the same KV budget as the others: as many float16
     K/V tokens (its cache type) as fill it. Its server holds one context for every
     request, so 64 streams of 256 tokens need 16,384; the budget gives far more."""
-    config = json.loads((model / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+    config = load_model_config(model)
+    per_token = KVCache.bytes_per_block(config.num_hidden_layers, 1, config.num_key_value_heads, config.head_dim,
+                                        torch.float16)
     return MemoryBudget.parse(KV_BUDGET).bytes // per_token
 
 
