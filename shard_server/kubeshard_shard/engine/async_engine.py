@@ -232,8 +232,9 @@ class AsyncEngine:
                     items.append((stream, out))
                     if out.done:
                         del self._streams[out.request_key]
-                self._post(items)
+                # stats first: a scrape after a client saw a token counts that token
                 self._publish_stats()
+                self._post(items)
             if self.on_stop is not None and self.error is None:
                 try:
                     self.on_stop()

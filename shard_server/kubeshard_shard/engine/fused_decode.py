@@ -90,8 +90,7 @@ def build(model: nn.Module, cache: KVCache, decode_kernel, lora) -> FusedStep | 
         return None
     attn = layers[0].self_attn
     probe = torch.empty(0, attn.num_heads, attn.head_dim)
-    if (model.rotary.cos_sin.dtype != torch.float32 or not kernel_build.supports(decode_kernel, probe, cache.k[0])
-            or cache.block_size <= 0):
+    if model.rotary.cos_sin.dtype != torch.float32 or not kernel_build.supports(decode_kernel, probe, cache.k[0]):
         return None
     fused = built.FusedDecode(model.rotary.cos_sin, model.model.norm.weight, model.model.norm.eps, attn.num_heads,
                               attn.num_kv_heads, attn.head_dim, cache.block_size, attn.scale)
