@@ -6,7 +6,7 @@ import pytest
 
 from kubeshard_shard.engine import kernels
 from kubeshard_shard.hardware import CpuFeatures
-from tests.support.cpu_kernels import SHAPES, check_float32_kernel
+from tests.support.cpu_kernels import F32_SHAPES, check_float32_kernel
 
 AVX2 = CpuFeatures.parse("flags : fpu sse2 cx16 lahf_lm popcnt pni sse4_1 sse4_2 ssse3 avx avx2 bmi1 bmi2 f16c fma "
                          "abm movbe xsave")
@@ -44,7 +44,7 @@ def test_a_prebuilt_module_is_loaded_and_computes_without_compiling(tmp_path, mo
     monkeypatch.setattr(kernels, "compile_extension", lambda *a, **k: pytest.fail("compiled instead of loading"))
     module = kernels.module.__wrapped__(BASELINE.line)
     assert module is not None and module.__file__ == str(built[0])
-    for m, n, kdim in SHAPES:
+    for m, n, kdim in F32_SHAPES:
         check_float32_kernel(module, m, n, kdim)
     assert callable(module.paged_decode_scaled)
 

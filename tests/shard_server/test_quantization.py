@@ -19,8 +19,8 @@ import torch
 from kubeshard_shard.config import EngineConfig
 from kubeshard_shard.models import quant
 
-from tests.support.cpu_kernels import (INT4_GROUPS, INT8_GROUPS, SHAPES, check_float32_kernel, check_int4_kernel,
-                                       check_int8_kernel)
+from tests.support.cpu_kernels import (F32_SHAPES, INT4_GROUPS, INT8_GROUPS, check_float32_kernel,
+                                       check_int4_kernel, check_int8_kernel)
 from tests.support.engine import (build_engine, greedy, prefill_logits, random_prompts, relative_rms,
                                   run_to_completion)
 
@@ -30,7 +30,7 @@ def k(cpu_kernels):
     return cpu_kernels
 
 
-@pytest.mark.parametrize("m,n,kdim", SHAPES)
+@pytest.mark.parametrize("m,n,kdim", F32_SHAPES)
 def test_float32_kernel_matches_linear(k, m, n, kdim):
     check_float32_kernel(k, m, n, kdim)
 
@@ -46,7 +46,7 @@ def test_gemm_kernels_of_the_portable_builds_are_exact(march):
         pytest.skip("this CPU cannot run an AVX2 build")
     built = kernels.module(march=march)
     assert built is not None, f"the CPU kernels failed to build for -march={march}"
-    for m, n, kdim in SHAPES:
+    for m, n, kdim in F32_SHAPES:
         check_float32_kernel(built, m, n, kdim)
     for args in INT8_GROUPS:  # the integer tiles differ by build too (AVX2 and VNNI, or scalar)
         check_int8_kernel(built, *args)

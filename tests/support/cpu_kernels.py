@@ -2,7 +2,7 @@
 portable builds and of the prebuilt modules: float32 against a float64 linear, int8 and
 int4 against a float64 evaluation of the same integer arithmetic (1e-5 of the output's
 scale) and against the float product of the dequantized weights (1e-4: x is quantized to
-int16 per 32 values)."""
+int16 per 32 values); float32 rows also against each row multiplied alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kubeshard_shard.models import quant
 
 SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]  # (rows of x, N, K)
+F32_SHAPES = SHAPES + [(7, 50, 100)]  # K not a multiple of a vector: the tail of each row
 INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 0) if not group or kdim % group == 0]
 INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES
                for group, symmetric in ((32, False), (32, True), (64, False)) if kdim % group == 0]
@@ -55,6 +56,10 @@ def check_float32_kernel(built, m: int, n: int, kdim: int) -> None:
     want = F.linear(x.double(), w.double(), b.double())
     got = built.gemm_f32(x, w, b)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (m, n, kdim)
+    # each row's result is the same bit for bit whatever rows share its product (the
+    # tiles differ with the number of rows): a verification row's logits are a decode's
+    for i in range(m):
+        assert torch.equal(got[i], built.gemm_f32(x[i:i + 1], w, b)[0]), (m, n, kdim, i)
 
 
 def check_int8_kernel(built, m: int, n: int, kdim: int, group: int) -> None:

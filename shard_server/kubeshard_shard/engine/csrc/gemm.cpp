@@ -34,16 +34,26 @@ namespace ks {
 // x near the memory's read speed; with AVX-512's 32 registers two rows of x share each
 // W load (bench/results/cpu-kernels.md, `--against 043dba8`: 1.2x at one row and 1.3x at
 // six to eight against the four-row tiles of three x rows this replaced).
+//
+// `ahead`: with more than one row of x, the first chunk of rows asks for the next tile's
+// W rows (into L2) while it streams its own, so that the next tile's memory reads overlap
+// this tile's later chunks, which compute from cache. AVX-512 only: on a pass over the
+// default model's layers (bench/results/cpu-kernels.md, `--against 653ac76`, 2026-12-05,
+// Xeon, 2 cores) 1.01x at 2 rows to 1.13x at 8, its LM head 1.1x to 1.2x; the AVX2 build
+// measured no faster with it. At one row the hardware prefetcher keeps up alone.
 #if defined(KS_AVX512)
 constexpr int64_t F32_NR = 12, F32_MR = 2;
 template <int MR, int NR>
-static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
+static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
+                     bool ahead) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NR];
+    if (ahead)
+      for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + n) * K + k), _MM_HINT_T1);
     for (int n = 0; n < NR; ++n) wv[n] = _mm512_loadu_ps(w + n * K + k);
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
@@ -65,7 +75,8 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 #elif defined(KS_AVX2)
 constexpr int64_t F32_NR = 12, F32_MR = 1;  // 16 registers: one row of x, no spills
 template <int MR, int NR>
-static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
+static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
+                     bool /*ahead: measured no faster on the AVX2 build*/) {
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
@@ -88,7 +99,8 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 #else
 constexpr int64_t F32_NR = 4, F32_MR = 1;
 template <int MR, int NR>
-static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
+static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
+                     bool /*ahead*/) {
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
       float s = 0.f;
@@ -141,7 +153,8 @@ at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) 
   const int64_t tiles = (N + NR - 1) / NR;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
-#define KS_CALL(mr, nr) f32_tile<mr, nr>(xp + m * K, K, wp + n * K, yp + m * N + n, N, b ? b + n : nullptr)
+#define KS_CALL(mr, nr) f32_tile<mr, nr>(xp + m * K, K, wp + n * K, yp + m * N + n, N, b ? b + n : nullptr, \
+                                          m == 0 && M > 1)
     KS_FOR_TILES(NR, F32_MR, KS_CALL)
 #undef KS_CALL
   });
