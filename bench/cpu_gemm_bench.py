@@ -102,6 +102,9 @@ def main() -> None:
         raise SystemExit("the CPU kernels could not be built: nothing to compare")
     paths = {"ours": built.gemm_f32, "onednn": compute.onednn_gemm, "F.linear": F.linear}
     if args.against:
+        # the revision itself, not a name like HEAD that moves on after the run
+        args.against = subprocess.run(["git", "rev-parse", "--short", args.against], check=True,
+                                      capture_output=True, text=True).stdout.strip()
         paths["against"] = kernel_at(args.against, args.march)
     rows = [int(r) for r in args.rows.split(",")]
     results = {"machine": machine(), "small_rows": compute.SMALL_ROWS, "reps": args.reps, "models": {},

@@ -50,9 +50,10 @@ def onednn_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 # Rows of x up to which our float32 kernel beats oneDNN on a step's pass over the
-# weights (bench/results/cpu-kernels.md: 1.7-1.9x at one row, 1.1-1.3x at 24, about even at
-# 32, on the default and the small model). Speculative verifications (k + 1 rows) and
-# decode batches up to 24 sequences fall under it.
+# weights (bench/results/cpu-kernels.md, the default and the small model: 1.7-1.9x at one
+# row and 1.1-1.4x at 24 on an AMD EPYC and on a Xeon; at 32 about even on the EPYC, 1.25x
+# on the Xeon). Speculative verifications (k + 1 rows) and decode batches up to 24
+# sequences fall under it.
 SMALL_ROWS = 24
 
 
