@@ -23,8 +23,8 @@ semantics need no state between positions: not under a grammar, repetition/frequ
 presence penalties, or before ``min_new_tokens``. With ``disable_by_batch_size`` no
 sequence of a lane speculates in a step while that many sequences run in it (vLLM's
 option of that name): a large batch already fills the step, and its verifications would
-only add rows (bench/results/speculative.md: ngram on free chat at 8 clients 0.87x of
-plain decoding, 0.99x paused from 4 sequences, in the run of 2026-12-05).
+only add rows (bench/results/speculative.md: ngram on free chat at 8 clients 0.82x of
+plain decoding, 0.97x paused from 4 sequences, in the run of 2026-12-05).
 """
 
 from __future__ import annotations
