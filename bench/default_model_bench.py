@@ -29,7 +29,7 @@ import psutil
 from bench.common import kubeshard, machine, peak_rss_bytes, percentile, rerender, write_results
 from tests.support.servers import ROUTER_READY
 from tests.support.processes import start
-from tests.support.redis_server import free_port
+from tests.support.ports import free_port
 from tests.support.sse import DONE, sse_data
 
 MODEL = "smollm2-135m-instruct"

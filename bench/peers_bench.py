@@ -37,8 +37,8 @@ from kubeshard_shard.models.config import load_model_config
 from kubeshard_shard.paths import cache_root
 from tests.support.engines import missing, start_peer, stop_engine
 from tests.support.gguf_files import write_gguf
+from tests.support.ports import free_port
 from tests.support.processes import start
-from tests.support.redis_server import free_port
 from tests.support.servers import ROUTER_READY
 
 MODEL_ID = "small"

@@ -18,8 +18,8 @@ import urllib.request
 
 from bench.common import demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
     write_results
+from tests.support.ports import reservable_port
 from tests.support.processes import start
-from tests.support.redis_server import reservable_port
 from tests.support.shard_process import READY as SHARD_READY
 
 REQUESTS, PROMPT, NEW = 64, 128, 64

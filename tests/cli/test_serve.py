@@ -18,8 +18,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.support.ports import free_port
 from tests.support.processes import Proc, start
-from tests.support.redis_server import free_port
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow

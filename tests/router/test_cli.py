@@ -12,11 +12,11 @@ import time
 import httpx
 import pytest
 
+from tests.support.ports import free_port
 from tests.support.processes import Proc, start
 from tests.support.servers import start_router
 from tests.support.sse import sse_events
 from tests.support.waiting import wait_for
-from tests.support.redis_server import free_port
 
 STUB_READY = re.compile(r"stub backend on (?P<host>[^:\s]+):(?P<port>\d+)")
 

@@ -31,7 +31,7 @@ from kubeshard_router.config import RouterConfig
 from kubeshard_router.engine_request import EngineRequest
 from tests.support.lora import ALL, make_adapter, peft_greedy
 from tests.support.processes import start
-from tests.support.redis_server import free_port
+from tests.support.ports import free_port
 from tests.support.servers import start_router
 from tests.support.sse import DONE, sse_events
 from tests.support.shard_process import ShardProcess, start_shard

@@ -11,7 +11,7 @@ from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.models.config import load_model_config
 from kubeshard_shard.server.engine_info import EngineInfoConfig, EngineInfoService, engine_load, model_meta
 from kubeshard_shard.tokenizer import load_tokenizer
-from tests.support.redis_server import free_port
+from tests.support.ports import free_port
 
 
 def test_info_comes_from_the_gguf_metadata_and_names_the_engine():

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
-from tests.support.redis_server import free_port
+from tests.support.ports import free_port
 
 CHROMIUM = os.environ.get("KUBESHARD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("KUBESHARD_CHROMEDRIVER", "/usr/bin/chromedriver")

@@ -21,8 +21,8 @@ import pytest
 from kubeshard_shard.paths import cache_root
 from kubeshard_shard.runtimes.onnx_model import BUILDER_VERSION
 from kubeshard_shard.runtimes.peers import PEERS, Launch
+from tests.support.ports import free_port
 from tests.support.processes import Proc, start
-from tests.support.redis_server import free_port
 
 INFO_READY = re.compile(r"kubeshard shard ready: model (?P<model>\S+) \((?P<runtime>\w+)\) on "
                         r"(?P<host>[^:\s]+):(?P<port>\d+)")

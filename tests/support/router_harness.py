@@ -62,7 +62,7 @@ class RouterHarness:
                 if self.start_stubs:
                     await stub.start()
                 else:
-                    from tests.support.redis_server import free_port
+                    from tests.support.ports import free_port
                     stub.port = free_port()
                 self.stubs[model].append(stub)
             backends[model] = tuple(s.address for s in self.stubs[model])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 import sys
 
+from tests.support.ports import free_port
 from tests.support.processes import Proc, start
-from tests.support.redis_server import free_port
 from tests.support.shard_process import READY as SHARD_READY
 
 __all__ = ["ROUTER_READY", "start_shard", "start_router", "start_serve"]

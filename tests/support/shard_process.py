@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import grpc
 
 from kubeshard_proto import pb, pb_grpc
+from tests.support.ports import free_port, reservable_port
 from tests.support.processes import Proc, start, wait_exit
-from tests.support.redis_server import free_port, reservable_port
 
 __all__ = ["ShardProcess", "ShardGroup", "start_shard", "start_group", "wait_exit", "shard_command"]
 

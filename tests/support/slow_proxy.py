@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from tests.support.redis_server import free_port
+from tests.support.ports import free_port
 
 
 class SlowProxy:
