@@ -26,17 +26,37 @@ def cpu_model() -> str:
     """The CPU's model name and the SIMD flags the kernels and torch choose paths by
     (machines here differ: one had AVX-512 with BF16, another only AVX2), e.g.
     ``AMD EPYC (fma f16c avx avx2 avx512f ...)``."""
-    name, flags = "unknown", set()
+    name = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown":
+            if key.strip() == "model name":
                 name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+                break
     except OSError:
         pass
+    flags = cpu_flags()
     return f"{name} ({' '.join(f for f in SIMD_FLAGS if f in flags) or 'no AVX'})"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa_results(name: str) -> str:
+    """The results file of a CPU-speed benchmark for this machine's instruction set:
+    ``name`` on a CPU with AVX-512, ``name-avx2`` on one with AVX2 but not AVX-512,
+    ``name-x86-64`` below that. The machines here change from day to day; each kind
+    keeps its own latest run instead of one overwriting the other."""
+    flags = cpu_flags()
+    return name if "avx512f" in flags else f"{name}-avx2" if "avx2" in flags else f"{name}-x86-64"
 
 
 def machine() -> dict:

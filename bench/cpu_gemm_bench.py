@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import demo_model, load_average_lines, machine, md_table, rerender, write_results
+from bench.common import demo_model, isa_results, load_average_lines, machine, md_table, rerender, write_results
 from kubeshard_shard import compute
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.engine import kernels
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--march", default="native", help="the instruction set to build for (x86-64-v3: AVX2)")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
-    results_name = "cpu-kernels" if args.march == "native" else f"cpu-kernels-{args.march}"
+    results_name = isa_results("cpu-kernels") if args.march == "native" else f"cpu-kernels-{args.march}"
     if args.render:
         rerender(results_name, render)
         return

@@ -30,7 +30,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from bench.common import RESULTS, demo_model, kubeshard, load_average_lines, machine, peak_rss_bytes, write_results
+from bench.common import (demo_model, isa_results, kubeshard, load_average_lines, machine, peak_rss_bytes, rerender,
+                          write_results)
 from kubeshard_shard.config import MemoryBudget
 from kubeshard_shard.engine.attention import KVCache
 from kubeshard_shard.models.config import load_model_config
@@ -139,8 +140,7 @@ def main() -> None:
     if args.check:
         CONCURRENT_REQUESTS, SINGLE_REQUESTS, OUTPUT_TOKENS = 8, 2, 16
     if args.render:
-        data = json.loads((RESULTS / "peers.json").read_text())
-        write_results("peers", data, render(data))
+        rerender(isa_results("peers"), render)
         return
     if not GUIDELLM.is_file():
         raise SystemExit(f"guidellm is not built ({GUIDELLM}): run `hack/engines.sh guidellm`")
@@ -183,10 +183,10 @@ def main() -> None:
             results["servers"][name] = row
             print(name, json.dumps(row), flush=True)
             if not args.check:
-                write_results("peers", results, render(results))
+                write_results(isa_results("peers"), results, render(results))
     results["load_average_1m"]["after"] = os.getloadavg()[0]
     if not args.check:
-        write_results("peers", results, render(results))
+        write_results(isa_results("peers"), results, render(results))
 
 
 def render(r: dict) -> str:

@@ -24,7 +24,7 @@ import time
 import psutil
 import torch
 
-from bench.common import demo_model, load_average_lines, machine, rerender, write_results
+from bench.common import demo_model, isa_results, load_average_lines, machine, rerender, write_results
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.engine.attention import KVCache
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
     if args.render:
-        rerender("quantization", render)
+        rerender(isa_results("quantization"), render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth()
@@ -181,11 +181,11 @@ def main() -> None:
         else:
             model_dir, methods = demo_model(size=name), ["none", "int8", "int4"]
         results["models"][name] = {"weights": weights_section(name, model_dir, methods, args.tokens, bandwidth)}
-        write_results("quantization", results, render(results))
+        write_results(isa_results("quantization"), results, render(results))
     results["kv"] = kv_section(local_checkpoint(default_model_file()) if "default" in args.models
                                else demo_model(size="small"), 32, 1000)
     results["load_average_1m"]["after"] = os.getloadavg()[0]
-    write_results("quantization", results, render(results))
+    write_results(isa_results("quantization"), results, render(results))
 
 
 def render(r: dict) -> str:

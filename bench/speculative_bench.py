@@ -21,7 +21,7 @@ import time
 
 import requests
 
-from bench.common import machine, percentile, rerender, write_results
+from bench.common import isa_results, machine, percentile, rerender, write_results
 from kubeshard_proto import pb
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from tests.support.shard_process import start_shard
@@ -155,10 +155,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--configs", default="none,ngram,ngram-min1,ngram-pause4,draft-int4")
-    parser.add_argument("--render", action="store_true", help="only rewrite speculative.md from its .json")
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite this kind of machine's results (speculative.md; speculative-avx2.md "
+                             "without AVX-512) from its .json")
     args = parser.parse_args()
     if args.render:
-        rerender("speculative", render)
+        rerender(isa_results("speculative"), render)
         return
     from transformers import AutoTokenizer
 
@@ -171,9 +173,9 @@ def main() -> None:
                "command": f"python -m bench.speculative_bench --max-tokens {args.max_tokens} --configs {args.configs}"}
     for name in args.configs.split(","):
         results["configs"][name] = run_config(name, model, prompts, args.max_tokens)
-        write_results("speculative", results, render(results))
+        write_results(isa_results("speculative"), results, render(results))
     results["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
-    write_results("speculative", results, render(results))
+    write_results(isa_results("speculative"), results, render(results))
 
 
 def render(r: dict) -> str:
