@@ -12,6 +12,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kubeshard_shard.hardware import CpuFeatures
 from kubeshard_shard.paths import cache_root
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,19 +36,8 @@ def cpu_model() -> str:
                 break
     except OSError:
         pass
-    flags = cpu_flags()
+    flags = CpuFeatures.detect().flags
     return f"{name} ({' '.join(f for f in SIMD_FLAGS if f in flags) or 'no AVX'})"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return set(value.split())
-    except OSError:
-        pass
-    return set()
 
 
 def isa_results(name: str) -> str:
@@ -55,7 +45,7 @@ def isa_results(name: str) -> str:
     ``name`` on a CPU with AVX-512, ``name-avx2`` on one with AVX2 but not AVX-512,
     ``name-x86-64`` below that. The machines here change from day to day; each kind
     keeps its own latest run instead of one overwriting the other."""
-    flags = cpu_flags()
+    flags = CpuFeatures.detect().flags
     return name if "avx512f" in flags else f"{name}-avx2" if "avx2" in flags else f"{name}-x86-64"
 
 

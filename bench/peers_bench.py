@@ -136,11 +136,12 @@ def main() -> None:
     parser.add_argument("--check", action="store_true",
                         help="a quick run that checks every server works (few short requests; results not kept)")
     args = parser.parse_args()
+    results_name = isa_results("peers")
     global CONCURRENT_REQUESTS, SINGLE_REQUESTS, OUTPUT_TOKENS
     if args.check:
         CONCURRENT_REQUESTS, SINGLE_REQUESTS, OUTPUT_TOKENS = 8, 2, 16
     if args.render:
-        rerender(isa_results("peers"), render)
+        rerender(results_name, render)
         return
     if not GUIDELLM.is_file():
         raise SystemExit(f"guidellm is not built ({GUIDELLM}): run `hack/engines.sh guidellm`")
@@ -183,10 +184,10 @@ def main() -> None:
             results["servers"][name] = row
             print(name, json.dumps(row), flush=True)
             if not args.check:
-                write_results(isa_results("peers"), results, render(results))
+                write_results(results_name, results, render(results))
     results["load_average_1m"]["after"] = os.getloadavg()[0]
     if not args.check:
-        write_results(isa_results("peers"), results, render(results))
+        write_results(results_name, results, render(results))
 
 
 def render(r: dict) -> str:

@@ -167,8 +167,9 @@ def main() -> None:
     parser.add_argument("--models", default="default,small")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
+    results_name = isa_results("quantization")
     if args.render:
-        rerender(isa_results("quantization"), render)
+        rerender(results_name, render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth()
@@ -181,11 +182,11 @@ def main() -> None:
         else:
             model_dir, methods = demo_model(size=name), ["none", "int8", "int4"]
         results["models"][name] = {"weights": weights_section(name, model_dir, methods, args.tokens, bandwidth)}
-        write_results(isa_results("quantization"), results, render(results))
+        write_results(results_name, results, render(results))
     results["kv"] = kv_section(local_checkpoint(default_model_file()) if "default" in args.models
                                else demo_model(size="small"), 32, 1000)
     results["load_average_1m"]["after"] = os.getloadavg()[0]
-    write_results(isa_results("quantization"), results, render(results))
+    write_results(results_name, results, render(results))
 
 
 def render(r: dict) -> str:

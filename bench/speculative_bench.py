@@ -159,8 +159,9 @@ def main() -> None:
                         help="only rewrite this kind of machine's results (speculative.md; speculative-avx2.md "
                              "without AVX-512) from its .json")
     args = parser.parse_args()
+    results_name = isa_results("speculative")
     if args.render:
-        rerender(isa_results("speculative"), render)
+        rerender(results_name, render)
         return
     from transformers import AutoTokenizer
 
@@ -173,9 +174,9 @@ def main() -> None:
                "command": f"python -m bench.speculative_bench --max-tokens {args.max_tokens} --configs {args.configs}"}
     for name in args.configs.split(","):
         results["configs"][name] = run_config(name, model, prompts, args.max_tokens)
-        write_results(isa_results("speculative"), results, render(results))
+        write_results(results_name, results, render(results))
     results["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
-    write_results(isa_results("speculative"), results, render(results))
+    write_results(results_name, results, render(results))
 
 
 def render(r: dict) -> str:
