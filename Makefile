@@ -40,6 +40,8 @@ run: install ## serve SmolLM2-135M-Instruct on http://127.0.0.1:8080 (extra flag
 
 test: install k8s-tools images ## run every test (unit, integration, end-to-end on a real kubelet with containerd, a smoke test on kind)
 	$(PY) -m pytest tests e2e
+	@# The local node's copy of the images (~8 GB) goes before kind loads its own.
+	$(PY) -m e2e.cluster prune
 	$(MAKE) --no-print-directory kind-smoke
 
 test-unit: install k8s-tools ## run the tests that need no Kubernetes control plane (helm, from k8s-tools, renders the chart)
@@ -83,6 +85,7 @@ e2e-kind: install k8s-tools ## run the e2e suite on kind (kind, its node image a
 	hack/e2e-kind.sh
 
 kind-smoke: install k8s-tools ## on kind: cluster up, chart installed, one sharded InferenceService streams through the router
+	KIND_IMAGES="standins operator router shard" \
 	PYTEST_ARGS="e2e/operator/test_operator.py -k two_shards_become_ready" hack/e2e-kind.sh
 
 clean: ## remove the virtual environment and local caches in the clone

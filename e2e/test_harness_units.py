@@ -69,3 +69,20 @@ def test_wait_for_reports_what_it_last_saw():
 
     with pytest.raises(AssertionError, match="last exception: RuntimeError: not yet"):
         wait_for(boom, timeout=0.2, interval=0.05)
+
+
+def test_prune_removes_only_the_node_image_store(tmp_path: Path):
+    from e2e.cluster.local import LocalCluster
+
+    blob = tmp_path / "containerd" / "root" / "io.containerd.content.v1.content" / "blobs" / "sha256" / "ab"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"x" * 1000)
+    (blob.parent / "link").symlink_to("/etc/hostname")
+    kept = tmp_path / "pki" / "ca.crt"
+    kept.parent.mkdir()
+    kept.write_text("certificate")
+    cluster = LocalCluster(tmp_path)
+    assert cluster.prune_images() == 1000
+    assert not (tmp_path / "containerd").exists()
+    assert kept.read_text() == "certificate"
+    assert cluster.prune_images() == 0

@@ -9,6 +9,8 @@
 #   KIND_IMAGE     node image (default: the one hack/images.sh kindnode builds)
 #   KEEP_CLUSTER=1 keep the cluster afterwards (default: delete it)
 #   PYTEST_ARGS    pytest arguments (default: e2e -m e2e, the whole suite)
+#   KIND_IMAGES    the hack/images.sh groups to load (default: standins operator router
+#                  shard llamacpp; each costs its size twice in the node: blobs and snapshots)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . hack/lib.sh  # $cache, etcd_image_tag
@@ -25,7 +27,8 @@ if [ -z "${KIND_IMAGE:-}" ]; then
 fi
 # The project's images, the stand-ins and the llama.cpp server, as tarballs (no Docker
 # needed when current).
-mapfile -t tarballs < <(hack/images.sh standins operator router shard llamacpp)
+# shellcheck disable=SC2086  # KIND_IMAGES is a list of groups
+mapfile -t tarballs < <(hack/images.sh ${KIND_IMAGES:-standins operator router shard llamacpp})
 
 kubeconfig="$(mktemp)" config="$(mktemp)"
 cleanup() {
@@ -43,7 +46,11 @@ if ! "$kind" get clusters 2>/dev/null | grep -qx "$name"; then
 fi
 "$kind" get kubeconfig --name "$name" >"$kubeconfig"
 for t in "${tarballs[@]}"; do
-  "$kind" load image-archive "$t" --name "$name"
+  if ! "$kind" load image-archive "$t" --name "$name"; then
+    echo "e2e-kind: loading $t failed; free space where Docker keeps the node:" >&2
+    df -h "$(docker info -f '{{.DockerRootDir}}')" >&2
+    exit 1
+  fi
 done
 echo "e2e-kind: cluster $name up with the images loaded in $((SECONDS - start)) s" >&2
 

@@ -4,6 +4,8 @@ up      start it in the background (or keep the running one); prints the kubecon
 down    stop it and remove every process, pod, interface, nft table, iptables chain,
         mount and cgroup
 status  print what runs, as JSON
+prune   unless it runs: remove the node's image store (the image tarballs under
+        $KUBESHARD_CACHE/images stay; the next `up` imports them again)
 measure start a cluster, report its start time and idle memory (markdown), stop it
 Options of `up`: --gpus N (fake nvidia.com/gpu on the node), --state-dir DIR.
 """
@@ -22,7 +24,7 @@ from .sharing import acquire
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "status", "measure"])
+    parser.add_argument("command", choices=["up", "down", "status", "measure", "prune"])
     parser.add_argument("--state-dir", type=Path, default=None)
     parser.add_argument("--gpus", type=int, default=0)
     args = parser.parse_args(argv)
@@ -41,6 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             print("could not remove: " + ", ".join(left), file=sys.stderr)
             return 1
+        return 0
+    if args.command == "prune":
+        if cluster.is_running():  # e.g. `make cluster` before `make test`: it stays as it is
+            print("local cluster: running, so its image store stays", file=sys.stderr)
+            return 0
+        try:
+            freed = cluster.prune_images()
+        except RuntimeError as e:
+            print(f"prune: {e}", file=sys.stderr)
+            return 1
+        print(f"local cluster: removed the node's image store ({freed / 2**30:.1f} GiB)", file=sys.stderr)
         return 0
     print(dumps(summary(cluster)))
     return 0

@@ -28,7 +28,7 @@ from .certs import Pki
 from .config import REPO_ROOT, ClusterConfig, default_state_dir
 from .controlplane import StartupError, wait_healthy
 from .handle import Cluster
-from .kubelet import RealNode
+from .kubelet import RealNode, containerd
 from .tools import find_bin_dir
 
 # The processes beside the control plane (controlplane.COMPONENTS), in start order.
@@ -139,6 +139,24 @@ class LocalCluster:
         shutil.rmtree(c.state_dir / "etcd", ignore_errors=True)
         (c.state_dir / "owner").unlink(missing_ok=True)
         return self.leftovers()
+
+    def prune_images(self) -> int:
+        """Remove the node's image store (containerd's content and unpacked snapshots) while
+        the cluster is down; returns the bytes freed. The image tarballs under
+        $KUBESHARD_CACHE/images stay: the next start imports them again (a minute). `make
+        test` calls this between the local suite and kind, which loads its own copy of the
+        same images: the two copies together filled a CI machine's disk."""
+        if self.is_running():
+            raise RuntimeError(f"the local cluster of {self.state_dir} is running: `down` it first")
+        store = containerd.root_dir(self.config) if self.config is not None else self.state_dir / "containerd"
+        if not store.exists():
+            return 0
+        leftovers = self.down()
+        if leftovers:
+            raise RuntimeError("could not stop the local cluster entirely: " + ", ".join(leftovers))
+        freed = sum(f.lstat().st_size for f in store.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(store)
+        return freed
 
     def leftovers(self) -> list[str]:
         """Everything of this cluster still present on the machine (empty after `down`)."""
