@@ -48,9 +48,9 @@ def model_weights(model_dir) -> tuple[list[torch.Tensor], torch.Tensor]:
     return layers, model.lm_head.weight.data
 
 
-def kernel_at(ref: str, march: str):
-    """``gemm_f32`` of the CPU kernels as they were at git revision ``ref``, built from
-    that revision's sources in a temporary folder for ``-march=<march>``."""
+def kernels_at(ref: str, march: str):
+    """The CPU kernels' module as it was at git revision ``ref``, built from that
+    revision's sources in a temporary folder for ``-march=<march>``."""
     repo = Path(__file__).resolve().parent.parent
     csrc = kernels.CSRC.relative_to(repo)
     folder = Path(tempfile.mkdtemp(prefix="kubeshard-kernels-"))
@@ -58,7 +58,7 @@ def kernel_at(ref: str, march: str):
         text = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{csrc / name}"], check=True,
                               capture_output=True, text=True).stdout
         (folder / name).write_text(text)
-    return kernels.compile_extension(f"kubeshard_cpu_at_{abs(hash((ref, march)))}", folder, folder, march).gemm_f32
+    return kernels.compile_extension(f"kubeshard_cpu_at_{abs(hash((ref, march)))}", folder, folder, march)
 
 
 def pass_seconds(gemm, weights: list[torch.Tensor], rows: int) -> float:
@@ -105,7 +105,7 @@ def main() -> None:
         # the revision itself, not a name like HEAD that moves on after the run
         args.against = subprocess.run(["git", "rev-parse", "--short", args.against], check=True,
                                       capture_output=True, text=True).stdout.strip()
-        paths["against"] = kernel_at(args.against, args.march)
+        paths["against"] = kernels_at(args.against, args.march).gemm_f32
     rows = [int(r) for r in args.rows.split(",")]
     results = {"machine": machine(), "small_rows": compute.SMALL_ROWS, "reps": args.reps, "models": {},
                "command": f"python -m bench.cpu_gemm_bench --models {args.models} --rows {args.rows} "

@@ -2,7 +2,7 @@
 portable builds and of the prebuilt modules: float32 against a float64 linear, int8 and
 int4 against a float64 evaluation of the same integer arithmetic (1e-5 of the output's
 scale) and against the float product of the dequantized weights (1e-4: x is quantized to
-int16 per 32 values); float32 rows also against each row multiplied alone."""
+int16 per 32 values); every row also against that row multiplied alone."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from kubeshard_shard.models import quant
 
 SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]  # (rows of x, N, K)
 F32_SHAPES = SHAPES + [(7, 50, 100)]  # K not a multiple of a vector: the tail of each row
-INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 0) if not group or kdim % group == 0]
+# group 96 (three blocks): the kernels' path for groups that are not a power of two blocks
+INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 96, 0) if not group or kdim % group == 0]
 INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES
                for group, symmetric in ((32, False), (32, True), (64, False)) if kdim % group == 0]
 
@@ -68,7 +69,10 @@ def check_int8_kernel(built, m: int, n: int, kdim: int, group: int) -> None:
     x, w = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen) * 0.05
     g = group or kdim
     qw, scales = quant.quantize_q8(w, g)
-    got = built.gemm_q8(x, qw, scales, g, None).double()
+    raw = built.gemm_q8(x, qw, scales, g, None)
+    for i in range(m):  # a verification row's logits are a decode's, bit for bit
+        assert torch.equal(raw[i], built.gemm_q8(x[i:i + 1], qw, scales, g, None)[0]), (m, n, kdim, group, i)
+    got = raw.double()
     want = exact_q8(x, qw, scales, g)
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 1e-5 * scale, (m, n, kdim, group)
@@ -80,7 +84,11 @@ def check_int4_kernel(built, m: int, n: int, kdim: int, group: int, symmetric: b
     gen = torch.Generator().manual_seed(11 + m)
     x, w = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen) * 0.05
     packed, scales, mins = quant.quantize_q4(w, group, symmetric)
-    got = built.gemm_q4(x, packed, scales, mins, group, None).double()
+    raw = built.gemm_q4(x, packed, scales, mins, group, None)
+    for i in range(m):  # a verification row's logits are a decode's, bit for bit
+        assert torch.equal(raw[i], built.gemm_q4(x[i:i + 1], packed, scales, mins, group, None)[0]), \
+            (m, n, kdim, group, symmetric, i)
+    got = raw.double()
     want = exact_q4(x, packed, scales, mins, group)
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 1e-5 * scale, (m, n, kdim, group, symmetric)

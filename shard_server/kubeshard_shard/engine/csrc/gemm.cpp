@@ -366,13 +366,90 @@ static void quant_tile(const QuantX& qx, int64_t m0, int64_t K, const Rows& rows
     }
 }
 
-// y = x W^T (+ bias) over W's rows in tiles: `rows(n)` reads W from its row n.
+#if defined(KS_AVX2)
+// One row of W against MR rows of x (from row m0), its blocks read in order.
+//
+// Why one W row at a time on AVX2, not a tile: the integer dot of a block costs about as
+// much time as reading the block from memory, and the two overlap only when each thread's
+// W streams as one sequence that the hardware prefetcher follows; a tile reads its NR
+// rows side by side, NR short streams that end every row (the software prefetch above
+// did not make up for it). The block dots of a row alternate between two accumulators, so
+// their fused multiply-adds do not wait on each other; which accumulator a block adds to
+// depends on the block alone, so a row of x gets the same bits whatever MR it is
+// computed in (a verification row's logits are a decode's). kOneGroup: W has one scale a
+// row (int8 per channel), applied once at the end; else group g of blocks [g << shift,
+// (g + 1) << shift) has its own.
+constexpr int64_t kRowAhead = 2048;  // bytes of W asked for ahead of the block read
+template <int MR, bool kOneGroup, typename Rows>
+static void quant_row(const QuantX& qx, int64_t m0, int64_t K, const Rows& rows, int shift, float* y,
+                      int64_t ldy, const float* bias) {
+  const int64_t nb = K / 32;
+  const int16_t* xq = qx.q.data() + m0 * K;
+  const float* dx = qx.d.data() + m0 * nb;
+  auto add_block = [&](int64_t b, auto& acc_u) {
+    __m256i wa, wb;
+    const auto* p = rows.block(0, b);
+    if ((b & Rows::kPrefetchMask) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kRowAhead, _MM_HINT_T0);
+    Rows::load(p, wa, wb);
+    const float ws = kOneGroup ? 1.f : rows.scale(0, b >> shift);
+    for (int m = 0; m < MR; ++m) {
+      const __m256i dot = dot32(wa, wb, xq + m * K + b * 32);
+      acc_u[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[m * nb + b] * ws), acc_u[m]);
+    }
+  };
+  __m256 acc0[MR], acc1[MR];
+  for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    add_block(b, acc0);
+    add_block(b + 1, acc1);
+  }
+  if (b < nb) add_block(b, acc0);
+  for (int m = 0; m < MR; ++m) {
+    float s = hsum256(_mm256_add_ps(acc0[m], acc1[m]));
+    if constexpr (kOneGroup) s *= rows.scale(0, 0);
+    if constexpr (Rows::kMinTerms) s += rows.min_terms(0, qx, m0 + m);
+    y[m * ldy] = s + (bias ? bias[0] : 0.f);
+  }
+}
+
+// log2 of the blocks in a group when that is a power of two, else -1
+static int group_shift(int64_t G) {
+  const int64_t bpg = G / 32;
+  return (bpg & (bpg - 1)) == 0 ? __builtin_ctzll(bpg) : -1;
+}
+#endif
+
+// y = x W^T (+ bias) over W's rows: `rows(n)` reads W from its row n.
 template <typename RowsAt>
 static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const float* b, const QuantX& qx,
                              RowsAt rows) {
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
+#if defined(KS_AVX2)
+  const bool one_group = G == K;
+  const int shift = group_shift(G);
+  if (one_group || shift >= 0) {
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M;) {
+          const int64_t left = M - m;
+          float* out = yp + m * N + n;
+          const float* bn = b ? b + n : nullptr;
+#define KS_ROW(mr)                                                                    \
+  (one_group ? quant_row<mr, true>(qx, m, K, rows(n), shift, out, N, bn)               \
+             : quant_row<mr, false>(qx, m, K, rows(n), shift, out, N, bn)), m += mr
+          if (left >= 4) KS_ROW(4);
+          else if (left == 3) KS_ROW(3);
+          else if (left == 2) KS_ROW(2);
+          else KS_ROW(1);
+#undef KS_ROW
+        }
+    });
+    return y;
+  }
+#endif
   constexpr int64_t NR = 4;
   at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);

@@ -1,0 +1,134 @@
+"""How fast the integer GEMMs (``engine/csrc/gemm.cpp``: ``gemm_q8``, ``gemm_q4``) stream
+a model's quantized weights, against the memory-bandwidth bound and, with ``--against
+REF``, against the same kernels as they were at git revision REF, side by side.
+
+One pass over every linear layer of the model in layer order (what one decode step
+multiplies; the weights are far larger than the caches, so they stream from memory), the
+layers quantized as ``--quantize`` packs them: int8 with one scale a row, int4 in groups
+of 32. The LM head is left out (``cpu_gemm_bench`` times it in float32; ``--quantize
+int4`` keeps it int8). *bound*: the pass's weight bytes ÷ this machine's copy bandwidth
+(``quantization_bench``'s). Results go to ``quant-kernels.md`` (``-avx2`` on a CPU
+without AVX-512).
+
+    python -m bench.quant_gemm_bench [--models default,small] [--rows 1,2,4,8] [--reps 9] [--against REF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+
+import torch
+
+from bench.common import demo_model, isa_results, load_average_lines, machine, md_table, rerender, write_results
+from bench.cpu_gemm_bench import kernels_at, measure, model_weights
+from bench.quantization_bench import copy_bandwidth
+from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
+from kubeshard_shard.engine import kernels
+from kubeshard_shard.models import quant
+
+INT4_GROUP = 32
+
+
+class Packed:
+    """One layer's packed weight, called as ``cpu_gemm_bench.measure`` calls a GEMM."""
+
+    def __init__(self, kind: str, w: torch.Tensor) -> None:
+        self.kind, self.shape = kind, w.shape
+        if kind == "int8":
+            self.q, self.scales = quant.quantize_q8(w, w.shape[1])
+            self.mins, self.group = None, w.shape[1]
+        else:
+            self.q, self.scales, self.mins = quant.quantize_q4(w, INT4_GROUP)
+            self.group = INT4_GROUP
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.scales.numel() * 2 + (self.mins.numel() * 2 if self.mins is not None else 0)
+        return self.q.numel() + extra
+
+
+def gemm_of(module):
+    """``(x, packed, bias) -> y`` with ``module``'s integer kernels."""
+    def gemm(x, p: Packed, bias):
+        if p.kind == "int8":
+            return module.gemm_q8(x, p.q, p.scales, p.group, bias)
+        return module.gemm_q4(x, p.q, p.scales, p.mins, p.group, bias)
+    return gemm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="default,small")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--against", help="also time the kernels as they were at this git revision")
+    parser.add_argument("--render", action="store_true")
+    args = parser.parse_args()
+    results_name = isa_results("quant-kernels")
+    if args.render:
+        rerender(results_name, render)
+        return
+    torch.set_num_threads(os.cpu_count() or 1)
+    built = kernels.module()
+    if built is None:
+        raise SystemExit("the CPU kernels could not be built: nothing to measure")
+    paths = {"ours": gemm_of(built)}
+    if args.against:
+        args.against = subprocess.run(["git", "rev-parse", "--short", args.against], check=True,
+                                      capture_output=True, text=True).stdout.strip()
+        paths["against"] = gemm_of(kernels_at(args.against, "native"))
+    rows = [int(r) for r in args.rows.split(",")]
+    bandwidth = copy_bandwidth()
+    results = {"machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9, "reps": args.reps, "models": {},
+               "command": f"python -m bench.quant_gemm_bench --models {args.models} --rows {args.rows} "
+                          f"--reps {args.reps}" + (f" --against {args.against}" if args.against else ""),
+               "against": args.against, "load_average_1m": {"before": os.getloadavg()[0]}}
+    for name in args.models.split(","):
+        model_dir = local_checkpoint(default_model_file()) if name == "default" else demo_model(size=name)
+        layers, _ = model_weights(model_dir)
+        section = {}
+        for kind in ("int8", "int4"):
+            packed = [Packed(kind, w) for w in layers]
+            nbytes = sum(p.nbytes for p in packed)
+            section[kind] = {"weight_bytes": nbytes, "bound_ms": nbytes / bandwidth * 1000,
+                             "times": measure(packed, rows, args.reps, paths)}
+            del packed
+        results["models"][name] = section
+        del layers
+    results["load_average_1m"]["after"] = os.getloadavg()[0]
+    write_results(results_name, results, render(results))
+
+
+def render(r: dict) -> str:
+    m, against = r["machine"], r.get("against")
+    lines = ["# The integer GEMMs against the memory bound (CPU)", "",
+             f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}. "
+             f"Copy bandwidth: {r['copy_bandwidth_gb_s']:.1f} GB/s.", "",
+             "One pass over every linear layer of the model but the LM head, quantized (int8: a scale a row; "
+             f"int4: groups of {INT4_GROUP}), in layer order; median of the runs, the paths interleaved. "
+             "*× bound*: the pass's time over its weight bytes ÷ copy bandwidth."
+             + (f" *ours at {against}*: the same kernels built from that revision, in the same run." if against
+                else ""), ""]
+    for name, section in r["models"].items():
+        for kind, t in section.items():
+            header = ["rows", "ours ms", "GB/s", "× bound"]
+            if against:
+                header += [f"ours at {against} ms", f"× bound at {against}", "speed-up"]
+            rows = []
+            for m_rows, times in t["times"].items():
+                ours = times["ours"]
+                row = [m_rows, f"{ours:.2f}", f"{t['weight_bytes'] / ours / 1e6:.1f}", f"{ours / t['bound_ms']:.2f}"]
+                if against:
+                    row += [f"{times['against']:.2f}", f"{times['against'] / t['bound_ms']:.2f}",
+                            f"{times['against'] / ours:.2f}×"]
+                rows.append(row)
+            lines += [f"## {name} model, {kind} ({t['weight_bytes'] / 2**20:.1f} MiB, bound "
+                      f"{t['bound_ms']:.2f} ms)", "", *md_table(header, rows, right=True), ""]
+    lines += load_average_lines(r)
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
