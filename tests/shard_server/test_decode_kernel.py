@@ -26,6 +26,24 @@ def kernel(cpu_kernels):
     (2, 2, 256, 1),    # the largest head size, one-token blocks
 ])
 def test_kernel_matches_reference(kernel, hq, hkv, d, block_size):
+    check_against_reference(kernel, hq, hkv, d, block_size)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_kernel_of_the_portable_builds_matches_reference(march):
+    """The builds for an AVX2-only CPU and for plain x86-64 run other vector widths than
+    this CPU's own (8 floats, not 16 with AVX-512; SSE pairs on x86-64)."""
+    from kubeshard_shard.hardware import CpuFeatures
+
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(CpuFeatures.detect().flags):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    built = kernels.module(march=march)
+    assert built is not None, f"the CPU kernels failed to build for -march={march}"
+    for shape in [(8, 4, 64, 16), (6, 2, 16, 8), (4, 2, 80, 32), (2, 2, 256, 1)]:
+        check_against_reference(built.paged_decode, *shape)
+
+
+def check_against_reference(kernel, hq, hkv, d, block_size):
     gen = torch.Generator().manual_seed(hq * 1000 + d)
     lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 197]
     k_cache, v_cache, block_tables, context_lens = scattered_pool(gen, lens, hkv, d, block_size, spare=7)

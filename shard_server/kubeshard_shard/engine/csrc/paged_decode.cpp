@@ -15,52 +15,62 @@
 
 #include "simd.h"
 
-// Sixteen floats; GCC lowers the arithmetic to AVX-512, to pairs of AVX2 registers, or to
-// SSE, whichever -march=native offers, so one source serves every x86 (and ARM) CPU.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
+// kW floats, the CPU's vector width: 16 with AVX-512, 8 otherwise. GCC lowers the
+// arithmetic to AVX-512, AVX2 or SSE registers (or ARM's), so one source serves every CPU.
+// Why not 16 everywhere: without AVX-512 GCC emulates a 64-byte vector through the stack
+// (its halves stored and reloaded around every operation), which made this kernel about
+// 5x slower on an AVX2 CPU than its arithmetic needs.
+#ifdef __AVX512F__
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float fvec __attribute__((vector_size(kW * 4)));
+typedef uint16_t u16vec __attribute__((vector_size(kW * 2)));
+typedef uint32_t u32vec __attribute__((vector_size(kW * 4)));
+typedef int8_t i8vec __attribute__((vector_size(kW)));
+typedef _Float16 f16vec __attribute__((vector_size(kW * 2)));
 
-// The cache's element types, each read as 16 floats at a time (and written back by the
+// The cache's element types, each read as kW floats at a time (and written back by the
 // decode output, which has the query's type).
 struct BF16 { uint16_t bits; };
 struct F16 { uint16_t bits; };
 
-static inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof(v)); return v; }
-static inline f32x16 load16(const BF16* p) {
-  u16x16 h;
+static inline fvec loadv(const float* p) { fvec v; std::memcpy(&v, p, sizeof(v)); return v; }
+static inline fvec loadv(const BF16* p) {
+  u16vec h;
   std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
+  const u32vec w = __builtin_convertvector(h, u32vec) << 16;
+  fvec v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
-static inline f32x16 load16(const F16* p) {
-  f16x16 h;
+static inline fvec loadv(const F16* p) {
+  f16vec h;
   std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, f32x16);
+  return __builtin_convertvector(h, fvec);
 }
-static inline f32x16 load16(const int8_t* p) {
-  i8x16 q;
+static inline fvec loadv(const int8_t* p) {
+  i8vec q;
   std::memcpy(&q, p, sizeof(q));
-  return __builtin_convertvector(q, f32x16);
+  return __builtin_convertvector(q, fvec);
 }
-static inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-static inline void store16(BF16* p, f32x16 v) {
-  for (int i = 0; i < 16; ++i) p[i].bits = ks::f32_to_bf16(v[i]);
+static inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
+static inline void storev(BF16* p, fvec v) {
+  for (int i = 0; i < kW; ++i) p[i].bits = ks::f32_to_bf16(v[i]);
 }
-static inline void store16(F16* p, f32x16 v) {
-  const f16x16 h = __builtin_convertvector(v, f16x16);
+static inline void storev(F16* p, fvec v) {
+  const f16vec h = __builtin_convertvector(v, f16vec);
   std::memcpy(p, &h, sizeof(h));
 }
-static inline float hsum16(f32x16 v) {
+static inline float hsumv(fvec v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(KS_AVX2)
+  return ks::hsum256(reinterpret_cast<__m256>(v));
 #else
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < kW; ++i) s += v[i];
   return s;
 #endif
 }
@@ -94,19 +104,20 @@ struct Args {
 };
 
 // One (sequence, KV head) pair: the G query heads that share the head's K/V rows.
-// C = head_dim / 16 is a compile-time constant so a K row and the V accumulators stay
-// in registers: K is read once for all G heads; V once per pair of heads, from L2.
+// C = head_dim / kW is a compile-time constant so a K row and the V accumulators stay
+// in registers: K is read once for all G heads; V once per pair of heads, from L2 (once a
+// head where a pair's accumulators would not fit in the registers: AVX2 at head_dim 64).
 // An int8 row is read as integers and its scale applied once per row: to the score for
 // K, to the softmax weight for V.
 template <int C, typename Q, typename KV>
 static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<float>& scores, float* qs) {
-  constexpr int64_t D = 16 * C;
-  constexpr int kLine = 64 / (16 * sizeof(KV)) > 0 ? 64 / (16 * sizeof(KV)) : 1;  // 16-value chunks per cache line
+  constexpr int64_t D = kW * C;
+  constexpr int kLine = 64 / (kW * sizeof(KV)) > 0 ? 64 / (kW * sizeof(KV)) : 1;  // kW-value chunks per cache line
   const int64_t G = a.G, L = a.lens[b], bs = a.block_size;
   const int32_t* table = a.tables + b * a.max_blocks;
   const Q* qh = a.q + (b * a.Hq + h * G) * D;
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) store16(qs + g * D + 16 * c, load16(qh + g * D + 16 * c) * a.scale);
+    for (int c = 0; c < C; ++c) storev(qs + g * D + kW * c, loadv(qh + g * D + kW * c) * a.scale);
   scores.resize(G * L);
   float* sc = scores.data();
   const int64_t head_off = h * D;
@@ -123,30 +134,32 @@ static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<
     for (int64_t j = 0; j < n; ++j) {
       const KV* kt = kb + j * a.row;
       for (int c = 0; c < C; c += kLine)
-        __builtin_prefetch(kn + j * a.row + 16 * c);
-      f32x16 k[C];
-      for (int c = 0; c < C; ++c) k[c] = load16(kt + 16 * c);
+        __builtin_prefetch(kn + j * a.row + kW * c);
+      fvec k[C];
+      for (int c = 0; c < C; ++c) k[c] = loadv(kt + kW * c);
       const float ks = a.k_scale ? a.k_scale[(slot0 + j) * srow + h] : 1.f;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qs + g * D;
-        f32x16 acc0 = load16(qg) * k[0];
-        f32x16 acc1 = {};
+        fvec acc0 = loadv(qg) * k[0];
+        fvec acc1 = {};
         for (int c = 1; c < C; ++c) {
-          if (c & 1) acc1 += load16(qg + 16 * c) * k[c];
-          else acc0 += load16(qg + 16 * c) * k[c];
+          if (c & 1) acc1 += loadv(qg + kW * c) * k[c];
+          else acc0 += loadv(qg + kW * c) * k[c];
         }
-        sc[g * L + t0 + j] = hsum16(acc0 + acc1) * ks;
+        sc[g * L + t0 + j] = hsumv(acc0 + acc1) * ks;
       }
     }
   }
   softmax_rows(sc, G, L);
 
   Q* out = a.out + (b * a.Hq + h * G) * D;
-  for (int64_t g = 0; g < G; g += 2) {
-    const bool pair = g + 1 < G;
+  // 16 vector registers without AVX-512: a pair's 2 C accumulators fit only up to C = 6
+  constexpr bool kPairs = kW == 16 || 2 * C <= 12;
+  for (int64_t g = 0; g < G; g += kPairs ? 2 : 1) {
+    const bool pair = kPairs && g + 1 < G;
     const float* p0 = sc + g * L;
     const float* p1 = pair ? sc + (g + 1) * L : p0;
-    f32x16 acc0[C] = {}, acc1[C] = {};
+    fvec acc0[C] = {}, acc1[C] = {};
     for (int64_t t0 = 0; t0 < L; t0 += bs) {
       const int64_t n = std::min<int64_t>(bs, L - t0);
       const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs;
@@ -156,26 +169,27 @@ static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<
         const KV* vt = vb + j * a.row;
         if (vn)
           for (int c = 0; c < C; c += kLine)
-            __builtin_prefetch(vn + j * a.row + 16 * c);
+            __builtin_prefetch(vn + j * a.row + kW * c);
         const float vs = a.v_scale ? a.v_scale[(slot0 + j) * srow + h] : 1.f;
         const float w0 = p0[t0 + j] * vs, w1 = p1[t0 + j] * vs;
         for (int c = 0; c < C; ++c) {
-          const f32x16 x = load16(vt + 16 * c);
+          const fvec x = loadv(vt + kW * c);
           acc0[c] += w0 * x;
-          acc1[c] += w1 * x;
+          if constexpr (kPairs) acc1[c] += w1 * x;
         }
       }
     }
-    for (int c = 0; c < C; ++c) store16(out + g * D + 16 * c, acc0[c]);
+    for (int c = 0; c < C; ++c) storev(out + g * D + kW * c, acc0[c]);
     if (pair)
-      for (int c = 0; c < C; ++c) store16(out + (g + 1) * D + 16 * c, acc1[c]);
+      for (int c = 0; c < C; ++c) storev(out + (g + 1) * D + kW * c, acc1[c]);
   }
 }
 
-template <int C, typename Q, typename KV>
+template <int C16, typename Q, typename KV>
 static void decode_all(const Args<Q, KV>& a, int64_t B) {
+  constexpr int C = C16 * 16 / kW;
   at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qs(a.G * 16 * C);
+    std::vector<float> scores, qs(a.G * kW * C);
     for (int64_t i = begin; i < end; ++i) decode_head<C>(a, i / a.Hkv, i % a.Hkv, scores, qs.data());
   });
 }
