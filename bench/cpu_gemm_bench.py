@@ -48,6 +48,21 @@ def model_weights(model_dir) -> tuple[list[torch.Tensor], torch.Tensor]:
     return layers, model.lm_head.weight.data
 
 
+def kernel_builds(against: str | None, march: str = "native") -> tuple[dict, str | None]:
+    """The CPU kernels to time side by side: ``{"ours": this checkout's build}``, plus
+    ``"against"``, built from git revision ``against`` when given; and that revision as
+    its short hash (the revision itself, not a name like HEAD that moves on after the
+    run). Exits when this checkout's kernels cannot be built."""
+    built = kernels.module(march=march)
+    if built is None:
+        raise SystemExit("the CPU kernels could not be built: nothing to measure")
+    if not against:
+        return {"ours": built}, None
+    rev = subprocess.run(["git", "rev-parse", "--short", against], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    return {"ours": built, "against": kernels_at(rev, march)}, rev
+
+
 def kernels_at(ref: str, march: str):
     """The CPU kernels' module as it was at git revision ``ref``, built from that
     revision's sources in a temporary folder for ``-march=<march>``."""
@@ -97,15 +112,10 @@ def main() -> None:
         rerender(results_name, render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    built = kernels.module(march=args.march)
-    if built is None:
-        raise SystemExit("the CPU kernels could not be built: nothing to compare")
-    paths = {"ours": built.gemm_f32, "onednn": compute.onednn_gemm, "F.linear": F.linear}
+    builds, args.against = kernel_builds(args.against, args.march)
+    paths = {"ours": builds["ours"].gemm_f32, "onednn": compute.onednn_gemm, "F.linear": F.linear}
     if args.against:
-        # the revision itself, not a name like HEAD that moves on after the run
-        args.against = subprocess.run(["git", "rev-parse", "--short", args.against], check=True,
-                                      capture_output=True, text=True).stdout.strip()
-        paths["against"] = kernels_at(args.against, args.march).gemm_f32
+        paths["against"] = builds["against"].gemm_f32
     rows = [int(r) for r in args.rows.split(",")]
     results = {"machine": machine(), "small_rows": compute.SMALL_ROWS, "reps": args.reps, "models": {},
                "command": f"python -m bench.cpu_gemm_bench --models {args.models} --rows {args.rows} "

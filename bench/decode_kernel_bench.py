@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import isa_results, load_average_lines, machine, md_table, rerender, write_results
-from bench.cpu_gemm_bench import kernels_at
-from kubeshard_shard.engine import kernels
+from bench.cpu_gemm_bench import kernel_builds
 from kubeshard_shard.engine.attention import decode_attention_reference
 
 HQ, HKV, D, BLOCK, INTERMEDIATE = 9, 3, 64, 16, 1536
@@ -84,14 +82,7 @@ def main() -> None:
         rerender(results_name, render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    built = kernels.module()
-    if built is None:
-        raise SystemExit("the CPU kernels could not be built: nothing to measure")
-    modules = {"ours": built}
-    if args.against:
-        args.against = subprocess.run(["git", "rev-parse", "--short", args.against], check=True,
-                                      capture_output=True, text=True).stdout.strip()
-        modules["against"] = kernels_at(args.against, "native")
+    modules, args.against = kernel_builds(args.against)
     results = {"machine": machine(), "reps": args.reps, "against": args.against,
                "command": f"python -m bench.decode_kernel_bench --contexts {args.contexts} --batches {args.batches} "
                           f"--reps {args.reps}" + (f" --against {args.against}" if args.against else ""),

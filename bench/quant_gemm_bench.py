@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 
 import torch
 
 from bench.common import demo_model, isa_results, load_average_lines, machine, md_table, rerender, write_results
-from bench.cpu_gemm_bench import kernels_at, measure, model_weights
+from bench.cpu_gemm_bench import kernel_builds, measure, model_weights
 from bench.quantization_bench import copy_bandwidth
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
-from kubeshard_shard.engine import kernels
 from kubeshard_shard.models import quant
 
 INT4_GROUP = 32
@@ -71,14 +69,8 @@ def main() -> None:
         rerender(results_name, render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    built = kernels.module()
-    if built is None:
-        raise SystemExit("the CPU kernels could not be built: nothing to measure")
-    paths = {"ours": gemm_of(built)}
-    if args.against:
-        args.against = subprocess.run(["git", "rev-parse", "--short", args.against], check=True,
-                                      capture_output=True, text=True).stdout.strip()
-        paths["against"] = gemm_of(kernels_at(args.against, "native"))
+    builds, args.against = kernel_builds(args.against)
+    paths = {name: gemm_of(module) for name, module in builds.items()}
     rows = [int(r) for r in args.rows.split(",")]
     bandwidth = copy_bandwidth()
     results = {"machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9, "reps": args.reps, "models": {},
