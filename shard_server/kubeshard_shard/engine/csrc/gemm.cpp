@@ -43,6 +43,7 @@ namespace ks {
 // measured no faster with it. At one row the hardware prefetcher keeps up alone.
 #if defined(KS_AVX512)
 constexpr int64_t F32_NR = 12, F32_MR = 2;
+constexpr bool F32_FIRST_ALONE = false;
 template <int MR, int NR>
 static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
                      bool ahead) {
@@ -73,31 +74,53 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
     for (int n = 0; n < NR; ++n) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m][n]) + (bias ? bias[n] : 0.f);
 }
 #elif defined(KS_AVX2)
-constexpr int64_t F32_NR = 12, F32_MR = 1;  // 16 registers: one row of x, no spills
-template <int MR, int NR>
-static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
-                     bool /*ahead: measured no faster on the AVX2 build*/) {
-  __m256 acc[MR][NR];
+// 16 registers. The first row of x goes alone over the 12 W rows (12 accumulators), the
+// pass that streams W from memory; the later rows, which find the tile in cache, go in
+// pairs over 6 W rows at a time (12 accumulators, each W load feeding two FMAs instead of
+// one: L1/L2 loads, not arithmetic, bounded those passes). Each accumulator sums its
+// (x row, W row) pair in the same order either way, so a row gets the same bits. Over the
+// default model's layers (bench/results/cpu-kernels-avx2.md, `--against 0c6e327`, 2026-12-05,
+// EPYC): 1.06x at 7 rows (a verification of 6 proposals), 1.03x at 8, 1.12x at 16 (1.07x,
+// 1.17x and 1.11x in a run before it), the same at 1-2 rows (the same passes); the LM head
+// 1.05-1.10x at 2-8 rows.
+constexpr int64_t F32_NR = 12, F32_MR = 2;
+constexpr bool F32_FIRST_ALONE = true;
+template <int MR, int NP>
+static void f32_pass(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
+  __m256 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+    for (int n = 0; n < NP; ++n) acc[m][n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-    for (int n = 0; n < NR; ++n) {
+    for (int n = 0; n < NP; ++n) {
       const __m256 wv = _mm256_loadu_ps(w + n * K + k);
       for (int m = 0; m < MR; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) {
+    for (int n = 0; n < NP; ++n) {
       float s = hsum256(acc[m][n]);
       for (int64_t t = k; t < K; ++t) s += x[m * K + t] * w[n * K + t];
       y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
     }
 }
+template <int MR, int NR>
+static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
+                     bool /*ahead: no faster on the AVX2 build, asked for in the first row's pass or (2026-12-05)
+                             in the pairs' passes*/) {
+  if constexpr (MR == 1) {
+    f32_pass<1, NR>(x, K, w, y, ldy, bias);
+  } else {
+    static_assert(NR % 2 == 0, "f32_tile: pairs of x rows take the W rows in two halves");
+    f32_pass<MR, NR / 2>(x, K, w, y, ldy, bias);
+    f32_pass<MR, NR / 2>(x, K, w + NR / 2 * K, y + NR / 2, ldy, bias ? bias + NR / 2 : nullptr);
+  }
+}
 #else
 constexpr int64_t F32_NR = 4, F32_MR = 1;
+constexpr bool F32_FIRST_ALONE = false;
 template <int MR, int NR>
 static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
                      bool /*ahead*/) {
@@ -155,7 +178,23 @@ at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) 
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
 #define KS_CALL(mr, nr) f32_tile<mr, nr>(xp + m * K, K, wp + n * K, yp + m * N + n, N, b ? b + n : nullptr, \
                                           m == 0 && M > 1)
-    KS_FOR_TILES(NR, F32_MR, KS_CALL)
+    for (int64_t t = n0; t < n1; t += NR) {
+      if (t + NR > n1) {  // the last, partial tile: one row of W at a time
+        for (int64_t n = t; n < n1; ++n)
+          for (int64_t m = 0; m < M; ++m) KS_CALL(1, 1);
+        break;
+      }
+      const int64_t n = t;
+      int64_t m = 0;
+      if (F32_FIRST_ALONE && M > 1) { KS_CALL(1, NR); m = 1; }
+      while (m < M) {
+        if constexpr (F32_MR >= 2) {
+          if (M - m >= 2) { KS_CALL(2, NR); m += 2; continue; }
+        }
+        KS_CALL(1, NR);
+        m += 1;
+      }
+    }
 #undef KS_CALL
   });
   return y;
