@@ -14,7 +14,12 @@ Environments: ``hack/engines.sh vllm``, ``hack/engines.sh llamacpp`` and ``hack/
 guidellm`` (built once, cached under $KUBESHARD_CACHE/engines); a server whose
 environment is missing is reported as not run, with the command that builds it.
 
-    python -m bench.peers_bench [--servers kubeshard,vllm,llamacpp-f32,kubeshard-int8,...]
+This shared machine's speed drifts by a tenth or more between runs minutes apart, as much
+as the gaps being measured; ``--rounds N`` runs the servers N times, interleaved (each once
+a round), and reports each figure's median with the throughput's range
+(``peers-rounds*.md``).
+
+    python -m bench.peers_bench [--servers kubeshard,vllm,llamacpp-f32,kubeshard-int8,...] [--rounds N]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -132,11 +138,16 @@ def not_built(name: str) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers this many times, interleaved (every server once a round), and "
+                             "report each figure's median; results in peers-rounds*.md")
     parser.add_argument("--render", action="store_true")
     parser.add_argument("--check", action="store_true",
                         help="a quick run that checks every server works (few short requests; results not kept)")
     args = parser.parse_args()
-    results_name = isa_results("peers")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    results_name = isa_results("peers" if args.rounds == 1 else "peers-rounds")
     global CONCURRENT_REQUESTS, SINGLE_REQUESTS, OUTPUT_TOKENS
     if args.check:
         CONCURRENT_REQUESTS, SINGLE_REQUESTS, OUTPUT_TOKENS = 8, 2, 16
@@ -146,7 +157,9 @@ def main() -> None:
     if not GUIDELLM.is_file():
         raise SystemExit(f"guidellm is not built ({GUIDELLM}): run `hack/engines.sh guidellm`")
     model = demo_model(size="small")
-    results = {"machine": machine(), "command": f"python -m bench.peers_bench --servers {args.servers}",
+    command = f"python -m bench.peers_bench --servers {args.servers}" + (
+        f" --rounds {args.rounds}" if args.rounds > 1 else "")
+    results = {"machine": machine(), "command": command, "rounds": args.rounds,
                "workload": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                             "concurrent": CONCURRENT, "concurrent_requests": CONCURRENT_REQUESTS,
                             "single_requests": SINGLE_REQUESTS, "harness": "guidellm 0.8.1", "kv_budget": KV_BUDGET,
@@ -155,7 +168,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ggufs = {}
-        for name in args.servers.split(","):
+        rounds: dict[str, list[dict]] = {}
+        for name in [n for _ in range(args.rounds) for n in args.servers.split(",")]:
             why = not_built(name)
             if why:
                 results["servers"][name] = {"not_run": why}
@@ -163,25 +177,9 @@ def main() -> None:
             if name.startswith("llamacpp"):
                 qtype = name.split("-", 1)[1].upper()
                 ggufs[qtype] = write_gguf(model, work / f"small-{qtype}.gguf", qtype)
-            started = time.perf_counter()
-            try:
-                proc, url, stop = start_server(name, model, ggufs)
-            except Exception as exc:  # one server's failure is reported; the others still run
-                results["servers"][name] = {"not_run": f"failed to start: {exc!r}"[:2000]}
-                continue
-            row = {"start_s": time.perf_counter() - started}
-            try:
-                # warm-up: the first requests' one-time costs (pool first touch, kernel builds)
-                guidellm(url, model, {"kind": "concurrent", "streams": 4}, 4, work)
-                row["c64"] = guidellm(url, model, {"kind": "concurrent", "streams": CONCURRENT},
-                                      CONCURRENT_REQUESTS, work)
-                row["c1"] = guidellm(url, model, {"kind": "synchronous"}, SINGLE_REQUESTS, work)
-                row["peak_rss_bytes"] = tree_peak_rss(proc.proc.pid)
-            except Exception as exc:
-                row["error"] = repr(exc)[:2000]
-            finally:
-                stop()
-            results["servers"][name] = row
+            row = run_server(name, model, ggufs, work)
+            rounds.setdefault(name, []).append(row)
+            results["servers"][name] = row if args.rounds == 1 else median_row(rounds[name])
             print(name, json.dumps(row), flush=True)
             if not args.check:
                 write_results(results_name, results, render(results))
@@ -190,10 +188,47 @@ def main() -> None:
         write_results(results_name, results, render(results))
 
 
+def run_server(name: str, model: Path, ggufs: dict[str, Path], work: Path) -> dict:
+    """One server's figures: it is started, warmed up, measured at 64 clients and at 1,
+    and stopped; a failure is reported in the row, so the other servers still run."""
+    started = time.perf_counter()
+    try:
+        proc, url, stop = start_server(name, model, ggufs)
+    except Exception as exc:
+        return {"not_run": f"failed to start: {exc!r}"[:2000]}
+    row = {"start_s": time.perf_counter() - started}
+    try:
+        # warm-up: the first requests' one-time costs (pool first touch, kernel builds)
+        guidellm(url, model, {"kind": "concurrent", "streams": 4}, 4, work)
+        row["c64"] = guidellm(url, model, {"kind": "concurrent", "streams": CONCURRENT}, CONCURRENT_REQUESTS, work)
+        row["c1"] = guidellm(url, model, {"kind": "synchronous"}, SINGLE_REQUESTS, work)
+        row["peak_rss_bytes"] = tree_peak_rss(proc.proc.pid)
+    except Exception as exc:
+        row["error"] = repr(exc)[:2000]
+    finally:
+        stop()
+    return row
+
+
+def median_row(rows: list[dict]) -> dict:
+    """One server's figures over its rounds: each figure's median over the rounds that ran
+    (the largest peak RSS), and the rounds themselves."""
+    done = [r for r in rows if "c64" in r and "c1" in r]
+    if not done:
+        return {**rows[-1], "rounds": rows}
+    merged = {"rounds": rows, "peak_rss_bytes": max(r["peak_rss_bytes"] for r in done),
+              "start_s": statistics.median(r["start_s"] for r in done)}
+    for part in ("c64", "c1"):
+        merged[part] = {k: statistics.median(r[part][k] for r in done) for k in done[0][part]
+                        if isinstance(done[0][part][k], (int, float))}
+    return merged
+
+
 def render(r: dict) -> str:
     m, w = r["machine"], r["workload"]
     llamacpp = (f"llama.cpp: a context of {w['llamacpp_context']:,} float16 tokens, which fill it"
                 if "llamacpp_context" in w else "llama.cpp: its context for 64 sequences of 512")
+    n = r.get("rounds", 1)
     lines = ["# kubeshard against vLLM-CPU and llama.cpp (one harness, one run)", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}.", "",
              f"Harness: {w['harness']}, streaming `/v1/completions`, synthetic prompts of {w['prompt_tokens']} tokens, "
@@ -202,7 +237,10 @@ def render(r: dict) -> str:
              "model (float32 folder for kubeshard and vLLM; GGUF files of the same weights for llama.cpp). Servers "
              f"one at a time; KV budget {w['kv_budget']} each ({llamacpp}). "
              "TPOT: guidellm's time per output token (request latency over output tokens); ITL: the time between "
-             "streamed tokens.", "",
+             "streamed tokens." + (
+                 f" {n} rounds, the servers interleaved (each once a round, in the order above): every figure is the "
+                 "median of a server's rounds, with the lowest and highest throughput in brackets; peak RSS the "
+                 "largest." if n > 1 else ""), "",
              "| server | out tok/s @64 | TTFT p50 / p99 @64 | TTFT p50 @1 | TPOT p50 @1 | ITL p50 @1 | peak RSS |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, row in r["servers"].items():
@@ -210,7 +248,9 @@ def render(r: dict) -> str:
             lines.append(f"| {name} | not run: {row.get('not_run') or row.get('error', '')[:200]} ||||||")
             continue
         a, b = row["c64"], row["c1"]
-        lines.append(f"| {name} | {a['output_tok_s']:.1f} | {a['ttft_p50_ms']:,.0f} / {a['ttft_p99_ms']:,.0f} ms | "
+        spread = [x["c64"]["output_tok_s"] for x in row.get("rounds", []) if "c64" in x]
+        spread = f" ({min(spread):.0f}–{max(spread):.0f})" if len(spread) > 1 else ""
+        lines.append(f"| {name} | {a['output_tok_s']:.1f}{spread} | {a['ttft_p50_ms']:,.0f} / {a['ttft_p99_ms']:,.0f} ms | "
                      f"{b['ttft_p50_ms']:.1f} ms | {b['tpot_p50_ms']:.1f} ms | {b['itl_p50_ms']:.1f} ms | "
                      f"{row['peak_rss_bytes'] / 2**20:,.0f} MiB |")
     load = load_average_lines(r)

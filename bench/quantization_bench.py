@@ -3,8 +3,10 @@
 1. Batch-1 decode: time per token and weight bytes for float32, int8, int4 (and the
    GGUF file's own Q4_1/Q8_0 kept quantized, ``gguf``) on the default model and the
    ``small`` demo model, against each one's memory-bandwidth bound: weight bytes read per
-   token ÷ this machine's measured copy bandwidth (a decode step must read every weight
-   once). Resident memory of the process after loading each one, greedy agreement
+   token ÷ this machine's copy bandwidth (a decode step must read every weight once),
+   measured beside each prompt's decode: the bandwidth a shared machine gives moves by a
+   quarter within minutes, and a bound taken once at the start would move every ratio
+   with it. Resident memory of the process after loading each one, greedy agreement
    with float32 (the first differing token of each answer), and the same decode with
    the fused decode step off, side by side.
 2. KV pools: tokens that fit in the same memory, decode time at batch 16 over a long
@@ -94,7 +96,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def weights_section(name: str, model_dir, methods: list[str], tokens: int, bandwidth: float) -> dict:
+def weights_section(name: str, model_dir, methods: list[str], tokens: int) -> dict:
     rows = {}
     reference = None
     for method in methods:
@@ -104,11 +106,12 @@ def weights_section(name: str, model_dir, methods: list[str], tokens: int, bandw
         rss = psutil.Process().memory_info().rss - rss_before
         prompts = [prompt_ids(model_dir, t) for t in PROMPTS]
         decode_run(served, prompts[:1], 8)  # warm-up
-        per_token, modules = [], []
+        per_token, modules, bandwidths = [], [], []
         answers = []
         runner = served.engine.runner
         fused = runner.fused
         for p in prompts:
+            bandwidths.append(copy_bandwidth(256 << 20, reps=3))  # the bound of this moment
             a, steps = decode_run(served, [p], tokens)
             answers.append(a[0])
             per_token.append(statistics.median(steps))
@@ -118,12 +121,14 @@ def weights_section(name: str, model_dir, methods: list[str], tokens: int, bandw
                 runner.fused = fused
         wb = weight_bytes(served.engine.runner.model)
         ms = statistics.median(per_token) * 1000
+        bandwidth = statistics.median(bandwidths)
         if reference is None:
             reference = answers
         agreement = [first_difference(r, a) for r, a in zip(reference, answers)]
         rows[method] = {"decode_ms_per_token": ms, "weight_bytes": wb, "bound_ms": wb / bandwidth * 1000,
                         "modules_ms_per_token": statistics.median(modules) * 1000 if modules else None,
-                        "over_bound": ms / (wb / bandwidth * 1000), "rss_delta_bytes": rss,
+                        "over_bound": ms / (wb / bandwidth * 1000), "copy_bandwidth_gb_s": bandwidth / 1e9,
+                        "rss_delta_bytes": rss,
                         "first_differing_token": agreement}
         print(name, method, rows[method], flush=True)
         del served
@@ -181,7 +186,7 @@ def main() -> None:
             model_dir, methods = local_checkpoint(default_model_file()), ["none", "int8", "int4", "gguf"]
         else:
             model_dir, methods = demo_model(size=name), ["none", "int8", "int4"]
-        results["models"][name] = {"weights": weights_section(name, model_dir, methods, args.tokens, bandwidth)}
+        results["models"][name] = {"weights": weights_section(name, model_dir, methods, args.tokens)}
         write_results(results_name, results, render(results))
     results["kv"] = kv_section(local_checkpoint(default_model_file()) if "default" in args.models
                                else demo_model(size="small"), 32, 1000)
@@ -193,23 +198,28 @@ def render(r: dict) -> str:
     m = r["machine"]
     lines = ["# Weight-only quantization and compressed KV pools (CPU)", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}. "
-             f"Measured copy bandwidth: {r['copy_bandwidth_gb_s']:.1f} GB/s (read + write of a 1 GiB tensor, best "
+             f"Copy bandwidth at the start: {r['copy_bandwidth_gb_s']:.1f} GB/s (read + write of a 1 GiB tensor, best "
              "of 5).", "",
              "Batch-1 greedy decode, in-process (no gRPC or HTTP), median step time over "
              f"{r['tokens']} tokens of each of {len(PROMPTS)} chat prompts. *bound*: weight bytes a step reads ÷ "
-             "copy bandwidth. *first differing token*: where each answer departs from float32's (— : never, "
+             + ("copy bandwidth, measured right before each prompt's decode (256 MiB, best of 3; *copy GB/s*: the "
+                "median of a row's samples)" if any("copy_bandwidth_gb_s" in row for s in r["models"].values()
+                                                   for row in s["weights"].values())
+                else "the copy bandwidth at the start") + ". *first differing token*: where each answer departs from float32's (— : never, "
              "within the tokens generated). *modules*: the same decode with the fused decode step off "
              "(every layer through its Python modules), each prompt right after its fused run.", ""]
     for name, section in r["models"].items():
         lines += [f"## {name} model", "",
-                  "| weights | decode ms/token | weight bytes | bound ms | × bound | modules ms/token | RSS after load "
-                  "| first differing token |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| weights | decode ms/token | weight bytes | copy GB/s | bound ms | × bound | modules ms/token "
+                  "| RSS after load | first differing token |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for method, row in section["weights"].items():
+            copy = row.get("copy_bandwidth_gb_s", r["copy_bandwidth_gb_s"])
             diff = ", ".join("—" if d is None else str(d) for d in row["first_differing_token"])
             modules = row.get("modules_ms_per_token")
             modules = "—" if modules is None else f"{modules:.2f} ({modules / row['decode_ms_per_token']:.2f}×)"
             lines.append(f"| {'float32' if method == 'none' else method} | {row['decode_ms_per_token']:.2f} | "
-                         f"{row['weight_bytes'] / 2**20:.1f} MiB | {row['bound_ms']:.2f} | {row['over_bound']:.2f} | "
+                         f"{row['weight_bytes'] / 2**20:.1f} MiB | {copy:.1f} | {row['bound_ms']:.2f} | "
+                         f"{row['over_bound']:.2f} | "
                          f"{modules} | {row['rss_delta_bytes'] / 2**20:.0f} MiB | {diff} |")
         lines.append("")
     if "kv" in r:

@@ -9,13 +9,19 @@ same ~1 ms to every one); prompts go through the model's chat template; greedy, 
 output is the same with and without speculation (the tests show it token for token),
 so every configuration generates the very same tokens here and only the time differs.
 
+``--rounds N`` runs the configurations N times, interleaved (each once a round): the
+speeds are medians and a speed-up the median of each round's ratio, so a drift of the
+machine between rounds falls on both sides of it (``speculative-rounds*.md``).
+
     python -m bench.speculative_bench [--max-tokens 128] [--configs none,ngram,ngram-min1,ngram-pause4,draft-int4]
+                                      [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import threading
 import time
 
@@ -155,11 +161,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--configs", default="none,ngram,ngram-min1,ngram-pause4,draft-int4")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the configurations this many times, interleaved (each once a round): speeds are "
+                             "medians, speed-ups the median of each round's ratio; results in speculative-rounds*.md")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite this kind of machine's results (speculative.md; speculative-avx2.md "
                              "without AVX-512) from its .json")
     args = parser.parse_args()
-    results_name = isa_results("speculative")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    results_name = isa_results("speculative" if args.rounds == 1 else "speculative-rounds")
     if args.render:
         rerender(results_name, render)
         return
@@ -170,13 +181,43 @@ def main() -> None:
     prompts = {"copy-heavy": [chat_ids(tokenizer, t) for t in COPY_HEAVY],
                "free chat": [chat_ids(tokenizer, t) for t in FREE_CHAT]}
     load_before = os.getloadavg()[0]
-    results = {"machine": machine(), "max_tokens": args.max_tokens, "configs": {},
-               "command": f"python -m bench.speculative_bench --max-tokens {args.max_tokens} --configs {args.configs}"}
-    for name in args.configs.split(","):
-        results["configs"][name] = run_config(name, model, prompts, args.max_tokens)
+    command = f"python -m bench.speculative_bench --max-tokens {args.max_tokens} --configs {args.configs}" + (
+        f" --rounds {args.rounds}" if args.rounds > 1 else "")
+    results = {"machine": machine(), "max_tokens": args.max_tokens, "configs": {}, "rounds": args.rounds,
+               "command": command}
+    rounds: dict[str, list[dict]] = {}
+    for name in [n for _ in range(args.rounds) for n in args.configs.split(",")]:
+        rounds.setdefault(name, []).append(run_config(name, model, prompts, args.max_tokens))
+        results["configs"][name] = rounds[name][0] if args.rounds == 1 else median_config(rounds[name])
         write_results(results_name, results, render(results))
     results["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     write_results(results_name, results, render(results))
+
+
+def median_config(runs: list[dict]) -> dict:
+    """A configuration's rounds as one: each speed the median over the rounds, the
+    acceptance of the last (greedy: the same tokens every round), and the rounds."""
+    out = {"flags": runs[0]["flags"], "rounds": runs}
+    for kind in runs[0]:
+        if kind == "flags":
+            continue
+        out[kind] = {n: {k: statistics.median(run[kind][n][k] for run in runs) for k in runs[0][kind][n]}
+                     for n in ("1", "8")}
+        if "acceptance" in runs[-1][kind]:
+            out[kind]["acceptance"] = runs[-1][kind]["acceptance"]
+    return out
+
+
+def speed_up(c: dict, base: dict, kind: str, clients: str) -> str:
+    """Output tokens/s over the configuration without speculation: with rounds, the median
+    of each round's ratio (a drift of the machine between rounds falls on both sides)."""
+    if kind not in base:
+        return "—"
+    pairs = zip(c.get("rounds", []), base.get("rounds", []))
+    ratios = [a[kind][clients]["output_tok_s"] / b[kind][clients]["output_tok_s"] for a, b in pairs]
+    ratio = statistics.median(ratios) if ratios else c[kind][clients]["output_tok_s"] / base[kind][clients]["output_tok_s"]
+    spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{ratio:.2f}×{spread}"
 
 
 def render(r: dict) -> str:
@@ -190,7 +231,10 @@ def render(r: dict) -> str:
         f"most {r['max_tokens']} output tokens (answers end at EOS or the limit; every configuration generates "
         "the same tokens). *copy-heavy*: fixing, renaming, extracting and quoting from the prompt; *free chat*: "
         "questions whose answers copy nothing. Speed-up: output tokens/s over the same workload without "
-        "speculation, in this run.", "",
+        "speculation, in this run." + (
+            f" {r['rounds']} rounds, the configurations interleaved (each once a round): speeds are the median of "
+            "the rounds; a speed-up is the median of each round's ratio, its lowest and highest in brackets."
+            if r.get("rounds", 1) > 1 else ""), "",
         "| configuration | workload | tok/s @1 | speed-up @1 | decode ms/token p50 @1 | tok/s @8 | speed-up @8 "
         "| proposals kept | tokens per verification |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -200,9 +244,7 @@ def render(r: dict) -> str:
             if kind not in c:
                 continue
             one, eight = c[kind]["1"], c[kind]["8"]
-            b = base.get(kind)
-            up1 = f"{one['output_tok_s'] / b['1']['output_tok_s']:.2f}×" if b else "—"
-            up8 = f"{eight['output_tok_s'] / b['8']['output_tok_s']:.2f}×" if b else "—"
+            up1, up8 = speed_up(c, base, kind, "1"), speed_up(c, base, kind, "8")
             acc = c[kind].get("acceptance")
             kept = f"{acc['rate']:.0%}" if acc else "—"
             length = f"{acc['mean_acceptance_length']:.2f}" if acc else "—"
