@@ -250,7 +250,8 @@ def render(r: dict) -> str:
         a, b = row["c64"], row["c1"]
         spread = [x["c64"]["output_tok_s"] for x in row.get("rounds", []) if "c64" in x]
         spread = f" ({min(spread):.0f}–{max(spread):.0f})" if len(spread) > 1 else ""
-        lines.append(f"| {name} | {a['output_tok_s']:.1f}{spread} | {a['ttft_p50_ms']:,.0f} / {a['ttft_p99_ms']:,.0f} ms | "
+        lines.append(f"| {name} | {a['output_tok_s']:.1f}{spread} | "
+                     f"{a['ttft_p50_ms']:,.0f} / {a['ttft_p99_ms']:,.0f} ms | "
                      f"{b['ttft_p50_ms']:.1f} ms | {b['tpot_p50_ms']:.1f} ms | {b['itl_p50_ms']:.1f} ms | "
                      f"{row['peak_rss_bytes'] / 2**20:,.0f} MiB |")
     load = load_average_lines(r)

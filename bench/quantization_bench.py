@@ -196,16 +196,16 @@ def main() -> None:
 
 def render(r: dict) -> str:
     m = r["machine"]
+    beside = any("copy_bandwidth_gb_s" in row for s in r["models"].values() for row in s["weights"].values())
+    bound = ("copy bandwidth, measured right before each prompt's decode (256 MiB, best of 3; *copy GB/s*: the median "
+             "of a row's samples)" if beside else "the copy bandwidth at the start")
     lines = ["# Weight-only quantization and compressed KV pools (CPU)", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}. "
              f"Copy bandwidth at the start: {r['copy_bandwidth_gb_s']:.1f} GB/s (read + write of a 1 GiB tensor, best "
              "of 5).", "",
              "Batch-1 greedy decode, in-process (no gRPC or HTTP), median step time over "
              f"{r['tokens']} tokens of each of {len(PROMPTS)} chat prompts. *bound*: weight bytes a step reads ÷ "
-             + ("copy bandwidth, measured right before each prompt's decode (256 MiB, best of 3; *copy GB/s*: the "
-                "median of a row's samples)" if any("copy_bandwidth_gb_s" in row for s in r["models"].values()
-                                                   for row in s["weights"].values())
-                else "the copy bandwidth at the start") + ". *first differing token*: where each answer departs from float32's (— : never, "
+             f"{bound}. *first differing token*: where each answer departs from float32's (— : never, "
              "within the tokens generated). *modules*: the same decode with the fused decode step off "
              "(every layer through its Python modules), each prompt right after its fused run.", ""]
     for name, section in r["models"].items():

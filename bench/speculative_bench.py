@@ -215,7 +215,8 @@ def speed_up(c: dict, base: dict, kind: str, clients: str) -> str:
         return "—"
     pairs = zip(c.get("rounds", []), base.get("rounds", []))
     ratios = [a[kind][clients]["output_tok_s"] / b[kind][clients]["output_tok_s"] for a, b in pairs]
-    ratio = statistics.median(ratios) if ratios else c[kind][clients]["output_tok_s"] / base[kind][clients]["output_tok_s"]
+    one_run = c[kind][clients]["output_tok_s"] / base[kind][clients]["output_tok_s"]
+    ratio = statistics.median(ratios) if ratios else one_run
     spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
     return f"{ratio:.2f}×{spread}"
 
