@@ -21,9 +21,11 @@ from safetensors.torch import load_file, save_file
 
 from kubeshard_proto import pb
 from kubeshard_shard.config import EngineConfig, SpeculativeConfig
-from kubeshard_shard.engine.ngram import lookup
+from kubeshard_shard.engine.ngram import NgramProposer, lookup
 from kubeshard_shard.engine.rejection import accept_or_resample, race
 from kubeshard_shard.engine.request import make_sampling_params
+from kubeshard_shard.engine.sequence import Sequence
+from kubeshard_shard.engine.speculative import Speculator
 from kubeshard_shard.server.factory import build_served_model
 
 from tests.support.engine import build_engine, greedy, hf_greedy, random_prompts, run_to_completion
@@ -76,6 +78,24 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match():
     assert lookup(np.array([1, 2, 3, 4]), 3, 1, 3) == []  # no earlier occurrence
     assert lookup(np.array([1, 2, 1]), 5, 1, 3) == [2, 1]   # what exists, fewer than k
     assert lookup(tokens, 0, 1, 3) == []
+
+
+def test_proposals_shrink_after_a_refusal_and_grow_back_while_kept():
+    seq = Sequence("r", [1, 2, 3], make_sampling_params(max_new_tokens=100))
+    spec = Speculator(NgramProposer(1, 3), num_tokens=6)
+    assert spec.lookahead(seq, running=1) == 6  # the configured number first
+    spec.verified(seq, position=3, proposed=6, kept=2)  # refused at the third: 2 kept + 1
+    assert spec.lookahead(seq, running=1) == 3
+    spec.verified(seq, position=6, proposed=3, kept=0)  # refused at once: 1
+    assert spec.lookahead(seq, running=1) == 1
+    for proposed, want in [(1, 2), (2, 4), (4, 6), (6, 6)]:  # kept whole: doubled, up to 6
+        spec.verified(seq, position=10, proposed=proposed, kept=proposed)
+        assert spec.lookahead(seq, running=1) == want
+    # the request's token budget still caps it: 3 tokens left, room for 2 proposals and one more
+    seq.token_ids += [0] * 97
+    assert seq.num_output_tokens == 97 and spec.lookahead(seq, running=1) == 2
+    stats = spec.stats()
+    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (6, 22, 15)
 
 
 # ---- verification keeps the target distribution ---------------------------------------

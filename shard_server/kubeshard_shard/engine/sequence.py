@@ -119,10 +119,12 @@ class Sequence:
         # speculative decoding (engine.speculative): this step's proposed tokens, the
         # draft model's distributions they were drawn from ([k, vocab]; None: proposals
         # that are certain, as n-gram lookups and greedy drafts are), and how many
-        # leading tokens the draft model's KV pool holds
+        # leading tokens the draft model's KV pool holds; the most proposals it may get
+        # next (Speculator.verified sets it; 0: the configured number)
         self.spec_tokens: list[int] = []
         self.spec_probs: torch.Tensor | None = None
         self.draft_computed = 0
+        self.spec_limit = 0
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,15 @@ decoding sequence that speculates, the engine:
 K/V written for refused proposals sit past ``num_computed_tokens`` and are overwritten
 by later steps; the prefix cache only registers blocks of kept tokens.
 
+How many tokens a sequence may propose adapts to how its last proposals fared (at most
+``k``): after a refusal, one more than were kept; after a draft kept whole, twice as
+many. A verification row is not free on a CPU: on the default model a step over 7 rows
+costs about 1.6 steps over 1 and over 2 rows 1.1 (bench/results/cpu-kernels-avx2.md), so
+where an answer stops copying from its prompt, k refused proposals would cost more
+than the one token they yield. Which tokens come out does not change (the greedy ones,
+or the target's distribution: a proposal's length depends only on what came before).
+
+
 A request speculates unless it turned it off, and only where the one-token-at-a-time
 semantics need no state between positions: not under a grammar, repetition/frequency/
 presence penalties, or before ``min_new_tokens``. With ``disable_by_batch_size`` no
@@ -85,7 +94,7 @@ class Speculator:
             return 0
         if seq.num_output_tokens < p.min_new_tokens:
             return 0
-        return max(0, min(self.num_tokens, p.max_new_tokens - seq.num_output_tokens - 1))
+        return max(0, min(seq.spec_limit or self.num_tokens, p.max_new_tokens - seq.num_output_tokens - 1))
 
     def propose(self, lane_index: int, batch: list[tuple[Sequence, int]]) -> None:
         if batch:
@@ -93,7 +102,9 @@ class Speculator:
 
     def verified(self, seq: Sequence, position: int, proposed: int, kept: int) -> None:
         """Counts one verification (``kept`` proposals of ``proposed``, then one more
-        token) and tells the proposer."""
+        token), sets how many the sequence may propose next, and tells the proposer."""
+        limit = seq.spec_limit or self.num_tokens
+        seq.spec_limit = min(self.num_tokens, 2 * limit) if kept == proposed else kept + 1
         t = self.totals
         t.drafts += 1
         t.draft_tokens += proposed
