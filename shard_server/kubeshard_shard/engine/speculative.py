@@ -26,7 +26,6 @@ where an answer stops copying from its prompt, k refused proposals would cost mo
 than the one token they yield. Which tokens come out does not change (the greedy ones,
 or the target's distribution: a proposal's length depends only on what came before).
 
-
 A request speculates unless it turned it off, and only where the one-token-at-a-time
 semantics need no state between positions: not under a grammar, repetition/frequency/
 presence penalties, or before ``min_new_tokens``. With ``disable_by_batch_size`` no
