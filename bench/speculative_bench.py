@@ -44,6 +44,10 @@ CONFIGS = {
     # the same as ngram, paused while 4 or more sequences run (at 8 clients most steps decode plainly)
     "ngram-pause4": ["--speculative", "ngram", "--num-speculative-tokens", "6", "--speculative-ngram-min", "2",
                      "--speculative-ngram-max", "4", "--speculative-disable-by-batch-size", "4"],
+    # up to 12 proposals: with lengths that adapt (engine/speculative.py), long copies get
+    # long proposals while refusals shrink them to one or two
+    "ngram-k12": ["--speculative", "ngram", "--num-speculative-tokens", "12", "--speculative-ngram-min", "2",
+                  "--speculative-ngram-max", "4"],
     "draft-int4": ["--speculative", "draft", "--num-speculative-tokens", "4", "--speculative-draft-quantize",
                    "int4"],  # the model's own checkpoint, int4, as its draft
 }
