@@ -134,8 +134,9 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 #endif
 
 // Runs `tile<MR, NR>` over rows [n0, n1) of W for every row of x, in chunks of MR rows
-// of x (a tile of W stays in cache while the chunks pass over it).
-#define KS_FOR_TILES(NR, MR_MAX, CALL)                                             \
+// of x (a tile of W stays in cache while the chunks pass over it); with FIRST_ALONE the
+// first row of x goes alone, the rest in chunks.
+#define KS_FOR_TILES(NR, MR_MAX, FIRST_ALONE, CALL)                                \
   for (int64_t n0_ = n0; n0_ < n1; n0_ += NR) {                                      \
     if (n0_ + NR > n1) { /* the last, partial tile: one row of W at a time */       \
       for (int64_t n = n0_; n < n1; ++n)                                             \
@@ -143,7 +144,9 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
       continue;                                                                      \
     }                                                                                \
     const int64_t n = n0_;                                                           \
-    for (int64_t m = 0; m < M;) {                                                    \
+    int64_t m = 0;                                                                   \
+    if ((FIRST_ALONE) && M > 1) { CALL(1, NR); m = 1; }                              \
+    while (m < M) {                                                                  \
       const int64_t left = M - m;                                                    \
       if (left >= 4 && MR_MAX >= 4) { CALL(4, NR); m += 4; }                         \
       else if (left >= 3 && MR_MAX >= 3) { CALL(3, NR); m += 3; }                    \
@@ -178,23 +181,7 @@ at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) 
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
 #define KS_CALL(mr, nr) f32_tile<mr, nr>(xp + m * K, K, wp + n * K, yp + m * N + n, N, b ? b + n : nullptr, \
                                           m == 0 && M > 1)
-    for (int64_t t = n0; t < n1; t += NR) {
-      if (t + NR > n1) {  // the last, partial tile: one row of W at a time
-        for (int64_t n = t; n < n1; ++n)
-          for (int64_t m = 0; m < M; ++m) KS_CALL(1, 1);
-        break;
-      }
-      const int64_t n = t;
-      int64_t m = 0;
-      if (F32_FIRST_ALONE && M > 1) { KS_CALL(1, NR); m = 1; }
-      while (m < M) {
-        if constexpr (F32_MR >= 2) {
-          if (M - m >= 2) { KS_CALL(2, NR); m += 2; continue; }
-        }
-        KS_CALL(1, NR);
-        m += 1;
-      }
-    }
+    KS_FOR_TILES(NR, F32_MR, F32_FIRST_ALONE, KS_CALL)
 #undef KS_CALL
   });
   return y;
@@ -493,7 +480,7 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
   at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
 #define KS_CALL(mr, nr) quant_tile<mr, nr>(qx, m, K, rows(n), G, yp + m * N + n, N, b ? b + n : nullptr)
-    KS_FOR_TILES(NR, 2, KS_CALL)
+    KS_FOR_TILES(NR, 2, false, KS_CALL)
 #undef KS_CALL
   });
   return y;
