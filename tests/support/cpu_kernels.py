@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from kubeshard_shard.models import quant
 
 SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]  # (rows of x, N, K)
-F32_SHAPES = SHAPES + [(7, 50, 100)]  # K not a multiple of a vector: the tail of each row
+# K not a multiple of a vector (the tail of each row); 4 and 6 rows: the AVX2 kernel's
+# sweeps over three and two W rows at a time
+F32_SHAPES = SHAPES + [(7, 50, 100), (4, 40, 200), (6, 37, 576)]
 # group 96 (three blocks): the kernels' path for groups that are not a power of two blocks
 INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 96, 0) if not group or kdim % group == 0]
 INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES

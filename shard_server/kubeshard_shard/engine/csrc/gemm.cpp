@@ -43,7 +43,6 @@ namespace ks {
 // measured no faster with it. At one row the hardware prefetcher keeps up alone.
 #if defined(KS_AVX512)
 constexpr int64_t F32_NR = 12, F32_MR = 2;
-constexpr bool F32_FIRST_ALONE = false;
 template <int MR, int NR>
 static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
                      bool ahead) {
@@ -74,17 +73,21 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
     for (int n = 0; n < NR; ++n) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m][n]) + (bias ? bias[n] : 0.f);
 }
 #elif defined(KS_AVX2)
-// 16 registers. The first row of x goes alone over the 12 W rows (12 accumulators), the
-// pass that streams W from memory; the later rows, which find the tile in cache, go in
-// pairs over 6 W rows at a time (12 accumulators, each W load feeding two FMAs instead of
-// one: L1/L2 loads, not arithmetic, bounded those passes). Each accumulator sums its
-// (x row, W row) pair in the same order either way, so a row gets the same bits. Over the
-// default model's layers (bench/results/cpu-kernels-avx2.md, `--against 0c6e327`, 2026-12-05,
-// EPYC): 1.06x at 7 rows (a verification of 6 proposals), 1.03x at 8, 1.12x at 16 (1.07x,
-// 1.17x and 1.11x in a run before it), the same at 1-2 rows (the same passes); the LM head
-// 1.05-1.10x at 2-8 rows.
-constexpr int64_t F32_NR = 12, F32_MR = 2;
-constexpr bool F32_FIRST_ALONE = true;
+// 16 registers. All the rows of a chunk (up to seven: a verification of six proposals
+// and its last token) go over the tile in one sweep, NP W rows at a time, so each W
+// value read from memory feeds every row of the chunk. NP shrinks as the chunk grows, to
+// keep MR x NP accumulators in registers; so that a sweep over two or three W rows still
+// keeps the memory busy while it computes, each pass asks for the next pass's W rows (one
+// line each per two loads of its own; a prefetch past the end of W is harmless, it never
+// faults). That overlaps the later rows' arithmetic with the reads, which the first-row-
+// alone-then-pairs tiles this replaced (7956ea0) did one after the other: over the
+// default model's layers (bench/results/cpu-kernels-avx2.md, `--against e67435e`,
+// 2026-12-05, EPYC) 1.15x at 6-7 rows, 1.12x at 8, its LM head 1.2x; seven rows now cost
+// 1.43 one-row passes (1.59 before). One row takes the same pass as before. Without the
+// prefetch the narrow sweeps were slower than the tiles (0.85x at 7 rows, random weights
+// of the same shapes). Each accumulator sums its (x row, W row) pair in the same order whatever the
+// chunk, so a row gets the same bits alone or in any batch.
+constexpr int64_t F32_NR = 12, F32_MR = 7;
 template <int MR, int NP>
 static void f32_pass(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
   __m256 acc[MR][NP];
@@ -92,11 +95,14 @@ static void f32_pass(const float* x, int64_t K, const float* w, float* y, int64_
     for (int n = 0; n < NP; ++n) acc[m][n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    __m256 xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-    for (int n = 0; n < NP; ++n) {
-      const __m256 wv = _mm256_loadu_ps(w + n * K + k);
-      for (int m = 0; m < MR; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+    __m256 wv[NP];
+    if constexpr (MR > 1)  // one row: the hardware prefetcher keeps up with its 12 streams alone
+      if (k % 16 == 0)
+        for (int n = 0; n < NP; ++n) _mm_prefetch(reinterpret_cast<const char*>(w + (NP + n) * K + k), _MM_HINT_T0);
+    for (int n = 0; n < NP; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NP; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -108,19 +114,13 @@ static void f32_pass(const float* x, int64_t K, const float* w, float* y, int64_
 }
 template <int MR, int NR>
 static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
-                     bool /*ahead: no faster on the AVX2 build, asked for in the first row's pass or (2026-12-05)
-                             in the pairs' passes*/) {
-  if constexpr (MR == 1) {
-    f32_pass<1, NR>(x, K, w, y, ldy, bias);
-  } else {
-    static_assert(NR % 2 == 0, "f32_tile: pairs of x rows take the W rows in two halves");
-    f32_pass<MR, NR / 2>(x, K, w, y, ldy, bias);
-    f32_pass<MR, NR / 2>(x, K, w + NR / 2 * K, y + NR / 2, ldy, bias ? bias + NR / 2 : nullptr);
-  }
+                     bool /*ahead: no faster on the AVX2 build*/) {
+  constexpr int WIDE = MR == 1 ? 12 : MR == 2 ? 6 : MR == 3 ? 4 : MR == 4 ? 3 : 2;
+  constexpr int NP = NR % WIDE == 0 ? WIDE : 1;  // NR = 1: the last, partial tile
+  for (int n = 0; n < NR; n += NP) f32_pass<MR, NP>(x, K, w + n * K, y + n, ldy, bias ? bias + n : nullptr);
 }
 #else
 constexpr int64_t F32_NR = 4, F32_MR = 1;
-constexpr bool F32_FIRST_ALONE = false;
 template <int MR, int NR>
 static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias,
                      bool /*ahead*/) {
@@ -134,9 +134,8 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 #endif
 
 // Runs `tile<MR, NR>` over rows [n0, n1) of W for every row of x, in chunks of MR rows
-// of x (a tile of W stays in cache while the chunks pass over it); with FIRST_ALONE the
-// first row of x goes alone, the rest in chunks.
-#define KS_FOR_TILES(NR, MR_MAX, FIRST_ALONE, CALL)                                \
+// of x (a tile of W stays in cache while the chunks pass over it).
+#define KS_FOR_TILES(NR, MR_MAX, CALL)                                               \
   for (int64_t n0_ = n0; n0_ < n1; n0_ += NR) {                                      \
     if (n0_ + NR > n1) { /* the last, partial tile: one row of W at a time */       \
       for (int64_t n = n0_; n < n1; ++n)                                             \
@@ -145,9 +144,13 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
     }                                                                                \
     const int64_t n = n0_;                                                           \
     int64_t m = 0;                                                                   \
-    if ((FIRST_ALONE) && M > 1) { CALL(1, NR); m = 1; }                              \
     while (m < M) {                                                                  \
       const int64_t left = M - m;                                                    \
+      if constexpr (MR_MAX >= 7) {                                                   \
+        if (left >= 7) { CALL(7, NR); m += 7; continue; }                            \
+        if (left == 6) { CALL(6, NR); m += 6; continue; }                            \
+        if (left == 5) { CALL(5, NR); m += 5; continue; }                            \
+      }                                                                              \
       if (left >= 4 && MR_MAX >= 4) { CALL(4, NR); m += 4; }                         \
       else if (left >= 3 && MR_MAX >= 3) { CALL(3, NR); m += 3; }                    \
       else if (left >= 2 && MR_MAX >= 2) { CALL(2, NR); m += 2; }                    \
@@ -181,7 +184,7 @@ at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) 
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
 #define KS_CALL(mr, nr) f32_tile<mr, nr>(xp + m * K, K, wp + n * K, yp + m * N + n, N, b ? b + n : nullptr, \
                                           m == 0 && M > 1)
-    KS_FOR_TILES(NR, F32_MR, F32_FIRST_ALONE, KS_CALL)
+    KS_FOR_TILES(NR, F32_MR, KS_CALL)
 #undef KS_CALL
   });
   return y;
@@ -480,7 +483,7 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
   at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
 #define KS_CALL(mr, nr) quant_tile<mr, nr>(qx, m, K, rows(n), G, yp + m * N + n, N, b ? b + n : nullptr)
-    KS_FOR_TILES(NR, 2, false, KS_CALL)
+    KS_FOR_TILES(NR, 2, KS_CALL)
 #undef KS_CALL
   });
   return y;
