@@ -7,7 +7,7 @@ pass over all of a model's float32 linear layers, in layer order, as a step make
 input with each GEMM path, side by side and interleaved in one run: our kernel, oneDNN's
 fused linear (the path ``compute.py`` takes for larger products) and ``F.linear``. The
 LM head is timed apart: a step multiplies only the rows that sample by it.
-``compute.SMALL_ROWS`` (the most rows our kernel takes) is chosen from these numbers.
+``compute.small_rows`` (the most rows our kernel takes on a CPU) is chosen from these numbers.
 ``--against REF`` adds our kernel as it was at git revision REF, built beside today's,
 to measure a change to the kernel side by side. ``--march x86-64-v3`` builds both for an
 AVX2-only CPU (the path such machines take) instead of this one's own instruction set;
@@ -34,6 +34,7 @@ from bench.common import demo_model, isa_results, load_average_lines, machine, m
 from kubeshard_shard import compute
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.engine import kernels
+from kubeshard_shard.hardware import CpuFeatures
 from kubeshard_shard.models.layers import LMHead, Linear
 
 ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
@@ -117,7 +118,7 @@ def main() -> None:
     if args.against:
         paths["against"] = builds["against"].gemm_f32
     rows = [int(r) for r in args.rows.split(",")]
-    results = {"machine": machine(), "small_rows": compute.SMALL_ROWS, "reps": args.reps, "models": {},
+    results = {"machine": machine(), "small_rows": compute.small_rows(CpuFeatures.detect()), "reps": args.reps, "models": {},
                "command": f"python -m bench.cpu_gemm_bench --models {args.models} --rows {args.rows} "
                           f"--reps {args.reps}" + (f" --against {args.against}" if args.against else "")
                           + (f" --march {args.march}" if args.march != "native" else ""),
@@ -160,7 +161,7 @@ def render(r: dict) -> str:
              "One pass over every float32 linear layer of the model, in layer order (what one step "
              "multiplies), for each number of input rows; median of the runs, the paths interleaved. "
              "*ours vs …*: the other path's time over ours (above 1×, ours is faster). "
-             f"`compute.SMALL_ROWS` when this ran: {r['small_rows']} (products with at most that many rows "
+             f"`compute.small_rows` on this CPU when this ran: {r['small_rows']} (products with at most that many rows "
              "take our kernel).", ""]
     for name, section in r["models"].items():
         lines += [f"## {name} model: the layers ({section['layer_bytes'] / 2**20:.0f} MiB)", "",

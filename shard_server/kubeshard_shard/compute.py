@@ -53,18 +53,27 @@ def onednn_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # weights (bench/results/cpu-kernels.md, the default and the small model: 1.7-1.9x at one
 # row and 1.1-1.4x at 24 on an AMD EPYC and on a Xeon; at 32 about even on the EPYC, 1.25x
 # on the Xeon). Speculative verifications (k + 1 rows) and decode batches up to 24
-# sequences fall under it.
+# sequences fall under it. The AVX2 build (no AVX-512) beats oneDNN further on the default
+# model's layers: 1.26x at 32 rows, 1.13x at 48, 1.03x at 64 (bench/results/cpu-kernels-avx2.md,
+# 2026-12-05, EPYC), so there it takes up to 48.
 SMALL_ROWS = 24
+SMALL_ROWS_AVX2 = 48
+
+
+def small_rows(cpu: CpuFeatures) -> int:
+    """The most rows our float32 kernel takes on this CPU (the build follows its flags)."""
+    avx512 = {"avx512f", "avx512bw"} <= cpu.flags
+    return SMALL_ROWS_AVX2 if {"avx2", "fma"} <= cpu.flags and not avx512 else SMALL_ROWS
 
 
 class SmallBatchGemm:
-    """Our float32 kernel for products of at most ``SMALL_ROWS`` rows, ``large`` above."""
+    """Our float32 kernel for products of at most ``rows`` rows, ``large`` above."""
 
-    def __init__(self, kernels, large: Gemm) -> None:
-        self.kernel, self.large = kernels.gemm_f32, large
+    def __init__(self, kernels, large: Gemm, rows: int = SMALL_ROWS) -> None:
+        self.kernel, self.large, self.rows = kernels.gemm_f32, large, rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+        if (x.dim() == 2 and x.shape[0] <= self.rows and x.dtype == torch.float32 and weight.dtype == torch.float32
                 and weight.is_contiguous() and x.device.type == "cpu"):
             return self.kernel(x.contiguous(), weight, bias)
         return self.large(x, weight, bias)
@@ -203,7 +212,7 @@ def resolve_compute(config: EngineConfig, model_config: ModelConfig,
     check_quantize(config, device, dtype, cpu, built)
     kernel = built.paged_decode_scaled if built is not None else None
     if built is not None and dtype == torch.float32 and config.cpu_gemm == "auto" and gemm_name == "onednn":
-        gemm, gemm_name = SmallBatchGemm(built, gemm), "kubeshard+onednn"
+        gemm, gemm_name = SmallBatchGemm(built, gemm, small_rows(cpu)), "kubeshard+onednn"
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.native_bf16:
         log.warning("this CPU (%s) has no native bfloat16 arithmetic: bfloat16 runs on the portable path, "
                     "slower than float32 here", cpu.describe())

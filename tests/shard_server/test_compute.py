@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubeshard_shard.compute import choose_gemm, resolve_compute, torch_gemm
+from kubeshard_shard.compute import SMALL_ROWS, SMALL_ROWS_AVX2, choose_gemm, resolve_compute, small_rows, torch_gemm
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.hardware import CpuFeatures
 from kubeshard_shard.models.config import load_model_config
@@ -42,6 +42,12 @@ def test_cpuinfo_flags_say_which_cpus_have_native_bfloat16():
     bf16 = CpuFeatures.parse(AVX2_CPUINFO.replace("bmi2", "bmi2 avx512f avx512_bf16"))
     assert bf16.native_bf16
     assert CpuFeatures.parse(AVX2_CPUINFO.replace("bmi2", "amx_bf16")).native_bf16
+
+
+def test_our_float32_gemm_takes_more_rows_on_the_avx2_build_than_on_avx512_or_portable_ones():
+    assert small_rows(AVX2_ONLY) == SMALL_ROWS_AVX2 > SMALL_ROWS
+    assert small_rows(CpuFeatures.parse(AVX2_CPUINFO.replace("bmi2", "bmi2 avx512f avx512bw"))) == SMALL_ROWS
+    assert small_rows(CpuFeatures.parse(AVX2_CPUINFO.replace(" avx2 fma", ""))) == SMALL_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

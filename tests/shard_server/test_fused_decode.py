@@ -11,6 +11,7 @@ import torch
 from kubeshard_shard import compute
 from kubeshard_shard.config import SpeculativeConfig
 from kubeshard_shard.engine import fused_decode
+from kubeshard_shard.hardware import CpuFeatures
 from kubeshard_shard.models import quant
 from kubeshard_shard.models.layers import Linear
 
@@ -107,7 +108,8 @@ def test_a_wrong_position_is_seen(demo_model):
     assert fused is runner.fused and twin.compared and len(twin.mismatches) == twin.compared
 
 
-@pytest.mark.parametrize("quantize, limit", [("none", compute.SMALL_ROWS), ("int8", quant.MAX_KERNEL_ROWS),
+@pytest.mark.parametrize("quantize, limit", [("none", compute.small_rows(CpuFeatures.detect())),
+                                             ("int8", quant.MAX_KERNEL_ROWS),
                                              ("int4", quant.MAX_KERNEL_ROWS)])
 def test_the_step_takes_as_many_rows_as_every_gemm_does_on_our_kernels(demo_model, quantize, limit):
     fused = build_engine(demo_model("llama"), quantize=quantize).engine.runner.fused

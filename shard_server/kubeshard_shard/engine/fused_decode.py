@@ -64,7 +64,7 @@ def _add_gemm(fused, layer: Linear, built) -> tuple[int, int] | None:
     if isinstance(gemm, compute.SmallBatchGemm):
         if gemm.kernel is not built.gemm_f32 or layer.weight.dtype != torch.float32 or not layer.weight.is_contiguous():
             return None
-        return fused.add_gemm(F32, layer.weight, None, None, 0, bias), compute.SMALL_ROWS
+        return fused.add_gemm(F32, layer.weight, None, None, 0, bias), gemm.rows
     if isinstance(gemm, quant.QuantGemm) and gemm.kernels is built and gemm.fmt.kind in ("q8", "q4"):
         kind = Q8 if gemm.fmt.kind == "q8" else Q4
         return fused.add_gemm(kind, layer.weight, gemm.scales, gemm.mins, gemm.group, bias), quant.MAX_KERNEL_ROWS

@@ -82,10 +82,11 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 // faults). That overlaps the later rows' arithmetic with the reads, which the first-row-
 // alone-then-pairs tiles this replaced (7956ea0) did one after the other: over the
 // default model's layers (bench/results/cpu-kernels-avx2.md, `--against e67435e`,
-// 2026-12-05, EPYC) 1.15x at 6-7 rows, 1.12x at 8, its LM head 1.2x; seven rows now cost
-// 1.43 one-row passes (1.59 before). One row takes the same pass as before. Without the
-// prefetch the narrow sweeps were slower than the tiles (0.85x at 7 rows, random weights
-// of the same shapes). Each accumulator sums its (x row, W row) pair in the same order whatever the
+// 2026-12-05, EPYC) 1.23x at 7 rows, 1.20x at 8 (1.15x and 1.12x in a run before it),
+// 1.05-1.12x at 2-4, its LM head 1.2x at 7; seven rows now cost 1.33 one-row passes (1.62
+// before). One row takes the same pass as before; at 48-64 rows, from cache, 0.93-0.96x.
+// Without the prefetch the narrow sweeps were slower than the tiles (0.85x at 7 rows,
+// random weights of the same shapes). Each accumulator sums its (x row, W row) pair in the same order whatever the
 // chunk, so a row gets the same bits alone or in any batch.
 constexpr int64_t F32_NR = 12, F32_MR = 7;
 template <int MR, int NP>
