@@ -85,6 +85,18 @@ def test_every_fused_step_equals_the_modules_bit_for_bit(demo_model, case):
     assert not twin.mismatches, twin.mismatches
 
 
+def test_a_batch_at_the_row_limit_goes_through_the_fused_step_as_the_modules_do(demo_model):
+    """As many decode rows as our float32 kernel takes on this CPU (48 on AVX2, 24
+    elsewhere) in one step: every GEMM chunks its rows the widest ways the kernel has."""
+    served = build_engine(demo_model("llama"))
+    limit = served.engine.runner.fused.max_rows
+    twin = Twin(served.engine.runner)
+    prompts = random_prompts(limit, served.model_config.vocab_size, (3, 12), seed=5)
+    run_to_completion(served.engine, [(p, greedy(4)) for p in prompts])
+    assert max(twin.rows) == limit, twin.rows
+    assert not twin.mismatches, twin.mismatches
+
+
 def test_speculative_verification_rows_go_through_the_fused_step(demo_model):
     """With n-gram proposals a step's verification rows are decode rows; the fused step
     serves them too, and each is what the modules compute."""
