@@ -9,9 +9,12 @@ same ~1 ms to every one); prompts go through the model's chat template; greedy, 
 output is the same with and without speculation (the tests show it token for token),
 so every configuration generates the very same tokens here and only the time differs.
 
-``--rounds N`` runs the configurations N times, interleaved (each once a round): the
-speeds are medians and a speed-up the median of each round's ratio, so a drift of the
-machine between rounds falls on both sides of it (``speculative-rounds*.md``).
+``--rounds N`` starts every configuration's server at once and runs each workload N
+times on each, interleaved, in turn forward and backward (none, ngram, ngram, none, ...):
+the speeds are medians and a speed-up the median of each round's ratio, so a drift of the
+machine falls on both sides of it (``speculative-rounds*.md``). This machine's speed
+moved 10-25% within minutes, as much as the gaps measured, when each round was a
+server run of a minute or more after the other's.
 
     python -m bench.speculative_bench [--max-tokens 128] [--configs none,ngram,ngram-min1,ngram-pause4,draft-int4]
                                       [--rounds N]
@@ -136,29 +139,53 @@ def spec_metrics(port: int) -> dict:
     return out
 
 
-def run_config(name: str, model, prompts: dict[str, list[list[int]]], max_tokens: int) -> dict:
+def start_config(name: str, model, prompts: dict[str, list[list[int]]]):
     flags = list(CONFIGS[name])
     if name.startswith("draft"):
         flags += ["--speculative-draft-model", str(model)]
-    shard = start_shard(model, "--kv-cache-memory", "1GiB", "--max-total-tokens", "2048", *flags, metrics=True,
-                        timeout=900)
+    # no prefix caching: each round computes every prompt in full, as the first did (with
+    # it, a server's later rounds would find their prompts cached and time only decoding)
+    shard = start_shard(model, "--kv-cache-memory", "1GiB", "--max-total-tokens", "2048", "--no-prefix-caching",
+                        *flags, metrics=True, timeout=900)
+    generate(shard.stub(), prompts["free chat"][0], 16)  # warm-up: first touches of the pool and kernels
+    return shard, " ".join(flags)
+
+
+def run_workload(shard, ids: list[list[int]], max_tokens: int) -> dict:
+    """One workload on one server: 1 client, then 8; the acceptance from its metrics."""
+    stub = shard.stub()
+    before = spec_metrics(shard.metrics_port)
+    result = {"1": clients(stub, ids, 1, max_tokens), "8": clients(stub, ids, 8, max_tokens)}
+    after = spec_metrics(shard.metrics_port)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    if delta.get("drafts"):
+        result["acceptance"] = {"proposed": delta["draft_tokens"], "accepted": delta["accepted_tokens"],
+                                "rate": delta["accepted_tokens"] / max(delta["draft_tokens"], 1),
+                                "mean_acceptance_length": 1 + delta["accepted_tokens"] / delta["drafts"]}
+    return result
+
+
+def run_rounds(names: list[str], model, prompts: dict[str, list[list[int]]], max_tokens: int,
+               rounds: int, done) -> dict[str, list[dict]]:
+    """Every configuration's server up at once; each workload ``rounds`` times on each, the
+    order reversed every round. ``done(runs)`` after each round."""
+    shards = {}
     try:
-        stub = shard.stub()
-        generate(stub, prompts["free chat"][0], 16)  # warm-up: first touches of the pool and kernels
-        out = {"flags": " ".join(flags)}
-        for kind, ids in prompts.items():
-            before = spec_metrics(shard.metrics_port)
-            result = {"1": clients(stub, ids, 1, max_tokens), "8": clients(stub, ids, 8, max_tokens)}
-            after = spec_metrics(shard.metrics_port)
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            if delta.get("drafts"):
-                result["acceptance"] = {"proposed": delta["draft_tokens"], "accepted": delta["accepted_tokens"],
-                                        "rate": delta["accepted_tokens"] / max(delta["draft_tokens"], 1),
-                                        "mean_acceptance_length": 1 + delta["accepted_tokens"] / delta["drafts"]}
-            out[kind] = result
-        return out
+        for name in names:
+            shards[name] = start_config(name, model, prompts)
+        runs = {name: [] for name in names}
+        for r in range(rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in names:
+                runs[name].append({"flags": shards[name][1]})
+            for kind, ids in prompts.items():
+                for name in order:
+                    runs[name][r][kind] = run_workload(shards[name][0], ids, max_tokens)
+            done(runs)
+        return runs
     finally:
-        shard.stop()
+        for shard, _ in shards.values():
+            shard.stop()
 
 
 def main() -> None:
@@ -166,8 +193,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--configs", default="none,ngram,ngram-min1,ngram-pause4,draft-int4")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run the configurations this many times, interleaved (each once a round): speeds are "
-                             "medians, speed-ups the median of each round's ratio; results in speculative-rounds*.md")
+                        help="every configuration's server up at once, each workload run this many times on each, "
+                             "interleaved: speeds are medians, speed-ups the median of each round's ratio; results "
+                             "in speculative-rounds*.md")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite this kind of machine's results (speculative.md; speculative-avx2.md "
                              "without AVX-512) from its .json")
@@ -188,12 +216,15 @@ def main() -> None:
     command = f"python -m bench.speculative_bench --max-tokens {args.max_tokens} --configs {args.configs}" + (
         f" --rounds {args.rounds}" if args.rounds > 1 else "")
     results = {"machine": machine(), "max_tokens": args.max_tokens, "configs": {}, "rounds": args.rounds,
+               "interleaved": "workload",
                "command": command}
-    rounds: dict[str, list[dict]] = {}
-    for name in [n for _ in range(args.rounds) for n in args.configs.split(",")]:
-        rounds.setdefault(name, []).append(run_config(name, model, prompts, args.max_tokens))
-        results["configs"][name] = rounds[name][0] if args.rounds == 1 else median_config(rounds[name])
+
+    def done(runs: dict[str, list[dict]]) -> None:
+        for name, mine in runs.items():
+            results["configs"][name] = mine[0] if args.rounds == 1 else median_config(mine)
         write_results(results_name, results, render(results))
+
+    run_rounds(args.configs.split(","), model, prompts, args.max_tokens, args.rounds, done)
     results["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     write_results(results_name, results, render(results))
 
@@ -225,6 +256,13 @@ def speed_up(c: dict, base: dict, kind: str, clients: str) -> str:
     return f"{ratio:.2f}×{spread}"
 
 
+INTERLEAVED = {  # how a rounds file's configurations took turns (older files: one server run each)
+    "server run": "the configurations interleaved (each once a round)",
+    "workload": "every configuration's server up at once (prefix caching off), each workload run on each in "
+                "turn, the order reversed every round (none, ngram, then ngram, none)",
+}
+
+
 def render(r: dict) -> str:
     m = r["machine"]
     configs = r["configs"]
@@ -237,7 +275,7 @@ def render(r: dict) -> str:
         "the same tokens). *copy-heavy*: fixing, renaming, extracting and quoting from the prompt; *free chat*: "
         "questions whose answers copy nothing. Speed-up: output tokens/s over the same workload without "
         "speculation, in this run." + (
-            f" {r['rounds']} rounds, the configurations interleaved (each once a round): speeds are the median of "
+            f" {r['rounds']} rounds, {INTERLEAVED[r.get('interleaved', 'server run')]}: speeds are the median of "
             "the rounds; a speed-up is the median of each round's ratio, its lowest and highest in brackets."
             if r.get("rounds", 1) > 1 else ""), "",
         "| configuration | workload | tok/s @1 | speed-up @1 | decode ms/token p50 @1 | tok/s @8 | speed-up @8 "
