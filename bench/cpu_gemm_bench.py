@@ -118,7 +118,8 @@ def main() -> None:
     if args.against:
         paths["against"] = builds["against"].gemm_f32
     rows = [int(r) for r in args.rows.split(",")]
-    results = {"machine": machine(), "small_rows": compute.small_rows(CpuFeatures.detect()), "reps": args.reps, "models": {},
+    results = {"machine": machine(), "small_rows": compute.small_rows(CpuFeatures.detect()), "reps": args.reps,
+               "models": {},
                "command": f"python -m bench.cpu_gemm_bench --models {args.models} --rows {args.rows} "
                           f"--reps {args.reps}" + (f" --against {args.against}" if args.against else "")
                           + (f" --march {args.march}" if args.march != "native" else ""),

@@ -228,14 +228,17 @@ def render(r: dict) -> str:
     m, w = r["machine"], r["workload"]
     llamacpp = (f"llama.cpp: a context of {w['llamacpp_context']:,} float16 tokens, which fill it"
                 if "llamacpp_context" in w else "llama.cpp: its context for 64 sequences of 512")
+    ran_llamacpp = any(name.startswith("llamacpp") for name in r["servers"])
     n = r.get("rounds", 1)
-    lines = ["# kubeshard against vLLM-CPU and llama.cpp (one harness, one run)", "",
+    lines = [f"# kubeshard against vLLM-CPU{' and llama.cpp' if ran_llamacpp else ''} (one harness, "
+             f"{'one run' if n == 1 else f'{n} rounds'})", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}.", "",
              f"Harness: {w['harness']}, streaming `/v1/completions`, synthetic prompts of {w['prompt_tokens']} tokens, "
              f"{w['output_tokens']} output tokens, greedy, EOS ignored; {w['concurrent_requests']} requests from "
              f"{w['concurrent']} concurrent clients, then {w['single_requests']} from 1 client. Model: the `small` demo "
-             "model (float32 folder for kubeshard and vLLM; GGUF files of the same weights for llama.cpp). Servers "
-             f"one at a time; KV budget {w['kv_budget']} each ({llamacpp}). "
+             "model (float32 folder for kubeshard and vLLM" + ("; GGUF files of the same weights for llama.cpp"
+                                                                if ran_llamacpp else "") + "). Servers "
+             f"one at a time; KV budget {w['kv_budget']} each{f' ({llamacpp})' if ran_llamacpp else ''}. "
              "TPOT: guidellm's time per output token (request latency over output tokens); ITL: the time between "
              "streamed tokens." + (
                  f" {n} rounds, the servers interleaved (each once a round, in the order above): every figure is the "

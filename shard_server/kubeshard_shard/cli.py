@@ -95,7 +95,9 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
                    help="ngram: look proposals up in the sequence's own tokens; draft: a smaller model of the "
                         "same tokenizer proposes them")
-    g.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="tokens proposed per step")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=4,
+                   help="the most tokens a sequence proposes per step (fewer after refused proposals, more again "
+                        "while they are kept)")
     g.add_argument("--speculative-ngram-min", type=positive_int, default=2,
                    help="shortest suffix looked up (ngram)")
     g.add_argument("--speculative-ngram-max", type=positive_int, default=4,

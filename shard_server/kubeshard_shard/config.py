@@ -124,7 +124,7 @@ class SpeculativeConfig:
     """Speculative decoding (``engine.speculative``): ``method`` none, ngram (proposals
     looked up in the sequence's own tokens: suffixes of ``ngram_min`` to ``ngram_max``
     tokens) or draft (``draft_model``, a smaller checkpoint of the same tokenizer,
-    optionally quantized); ``num_tokens`` proposed per step; none while
+    optionally quantized); at most ``num_tokens`` proposed per step; none while
     ``disable_by_batch_size`` or more sequences run (0: at any batch size)."""
 
     method: str = "none"

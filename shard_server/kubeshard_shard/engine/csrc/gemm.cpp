@@ -86,8 +86,8 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 // 1.05-1.12x at 2-4, its LM head 1.2x at 7; seven rows now cost 1.33 one-row passes (1.62
 // before). One row takes the same pass as before; at 48-64 rows, from cache, 0.93-0.96x.
 // Without the prefetch the narrow sweeps were slower than the tiles (0.85x at 7 rows,
-// random weights of the same shapes). Each accumulator sums its (x row, W row) pair in the same order whatever the
-// chunk, so a row gets the same bits alone or in any batch.
+// random weights of the same shapes). Each accumulator sums its (x row, W row) pair in
+// the same order whatever the chunk, so a row gets the same bits alone or in any batch.
 constexpr int64_t F32_NR = 12, F32_MR = 7;
 template <int MR, int NP>
 static void f32_pass(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const float* bias) {
