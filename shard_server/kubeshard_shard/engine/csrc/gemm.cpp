@@ -138,24 +138,24 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
 // of x (a tile of W stays in cache while the chunks pass over it).
 #define KS_FOR_TILES(NR, MR_MAX, CALL)                                               \
   for (int64_t n0_ = n0; n0_ < n1; n0_ += NR) {                                      \
-    if (n0_ + NR > n1) { /* the last, partial tile: one row of W at a time */       \
+    if (n0_ + NR > n1) { /* the last, partial tile: one row of W at a time */        \
       for (int64_t n = n0_; n < n1; ++n)                                             \
         for (int64_t m = 0; m < M; ++m) CALL(1, 1);                                  \
       continue;                                                                      \
     }                                                                                \
     const int64_t n = n0_;                                                           \
     int64_t m = 0;                                                                   \
+    /* each chunk the widest the rows left fill, up to MR_MAX rows */                \
     while (m < M) {                                                                  \
       const int64_t left = M - m;                                                    \
-      if constexpr (MR_MAX >= 7) {                                                   \
-        if (left >= 7) { CALL(7, NR); m += 7; continue; }                            \
-        if (left == 6) { CALL(6, NR); m += 6; continue; }                            \
-        if (left == 5) { CALL(5, NR); m += 5; continue; }                            \
-      }                                                                              \
-      if (left >= 4 && MR_MAX >= 4) { CALL(4, NR); m += 4; }                         \
-      else if (left >= 3 && MR_MAX >= 3) { CALL(3, NR); m += 3; }                    \
-      else if (left >= 2 && MR_MAX >= 2) { CALL(2, NR); m += 2; }                    \
-      else { CALL(1, NR); m += 1; }                                                  \
+      if constexpr (MR_MAX >= 7) if (left >= 7) { CALL(7, NR); m += 7; continue; }   \
+      if constexpr (MR_MAX >= 6) if (left >= 6) { CALL(6, NR); m += 6; continue; }   \
+      if constexpr (MR_MAX >= 5) if (left >= 5) { CALL(5, NR); m += 5; continue; }   \
+      if constexpr (MR_MAX >= 4) if (left >= 4) { CALL(4, NR); m += 4; continue; }   \
+      if constexpr (MR_MAX >= 3) if (left >= 3) { CALL(3, NR); m += 3; continue; }   \
+      if constexpr (MR_MAX >= 2) if (left >= 2) { CALL(2, NR); m += 2; continue; }   \
+      CALL(1, NR);                                                                   \
+      m += 1;                                                                        \
     }                                                                                \
   }
 
@@ -467,8 +467,8 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
           const int64_t left = M - m;
           float* out = yp + m * N + n;
           const float* bn = b ? b + n : nullptr;
-#define KS_ROW(mr)                                                                    \
-  (one_group ? quant_row<mr, true>(qx, m, K, rows(n), shift, out, N, bn)               \
+#define KS_ROW(mr)                                                                   \
+  (one_group ? quant_row<mr, true>(qx, m, K, rows(n), shift, out, N, bn)             \
              : quant_row<mr, false>(qx, m, K, rows(n), shift, out, N, bn)), m += mr
           if (left >= 4) KS_ROW(4);
           else if (left == 3) KS_ROW(3);
