@@ -258,8 +258,8 @@ def speed_up(c: dict, base: dict, kind: str, clients: str) -> str:
 
 INTERLEAVED = {  # how a rounds file's configurations took turns (older files: one server run each)
     "server run": "the configurations interleaved (each once a round)",
-    "workload": "every configuration's server up at once (prefix caching off), each workload run on each in "
-                "turn, the order reversed every round (none, ngram, then ngram, none)",
+    "workload": "every configuration's server up at once, each workload run on each in turn, the order reversed "
+                "every round (none, ngram, then ngram, none)",
 }
 
 
@@ -270,7 +270,9 @@ def render(r: dict) -> str:
     lines = [
         "# Speculative decoding on the default model", "",
         f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}.", "",
-        "SmolLM2-135M-Instruct in float32, one `kubeshard serve-shard` per configuration over gRPC, greedy, at "
+        "SmolLM2-135M-Instruct in float32, one `kubeshard serve-shard` per configuration over gRPC"
+        + (" (prefix caching off: every run computes its prompts in full)" if r.get("interleaved") == "workload"
+           else "") + ", greedy, at "
         f"most {r['max_tokens']} output tokens (answers end at EOS or the limit; every configuration generates "
         "the same tokens). *copy-heavy*: fixing, renaming, extracting and quoting from the prompt; *free chat*: "
         "questions whose answers copy nothing. Speed-up: output tokens/s over the same workload without "
