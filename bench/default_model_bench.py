@@ -27,9 +27,9 @@ import httpx
 import psutil
 
 from bench.common import kubeshard, machine, peak_rss_bytes, percentile, rerender, write_results
-from tests.support.servers import ROUTER_READY
-from tests.support.processes import start
 from tests.support.ports import free_port
+from tests.support.processes import start
+from tests.support.servers import ROUTER_READY
 from tests.support.sse import DONE, sse_data
 
 MODEL = "smollm2-135m-instruct"

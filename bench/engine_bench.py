@@ -26,9 +26,9 @@ import torch
 
 from bench.common import demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
     percentile, rerender, self_peak_rss, write_results
-from tests.support.servers import ROUTER_READY
-from tests.support.processes import start
 from tests.support.ports import free_port
+from tests.support.processes import start
+from tests.support.servers import ROUTER_READY
 from tests.support.shard_process import READY as SHARD_READY
 from tests.support.sse import sse_data
 

@@ -50,12 +50,13 @@ def onednn_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 # Rows of x up to which our float32 kernel beats oneDNN on a step's pass over the
-# weights (bench/results/cpu-kernels.md, the default and the small model: 1.7-1.9x at one
-# row and 1.1-1.4x at 24 on an AMD EPYC and on a Xeon; at 32 about even on the EPYC, 1.25x
-# on the Xeon). Speculative verifications (k + 1 rows) and decode batches up to 24
-# sequences fall under it. The AVX2 build (no AVX-512) beats oneDNN further on the default
-# model's layers: 1.26x at 32 rows, 1.13x at 48, 1.03x at 64 (bench/results/cpu-kernels-avx2.md,
-# 2026-12-05, EPYC), so there it takes up to 48.
+# weights, on AVX-512 builds (bench/results/cpu-kernels.md, the default and the small
+# model: 1.7-1.9x at one row and 1.1-1.4x at 24 on a Xeon, 2026-12-05, and on an AMD
+# EPYC with AVX-512 in that file's run of 2026-12-04, `git show 91515cf`, where 32 rows
+# came out about even; 1.25x on the Xeon). Speculative verifications (k + 1 rows) and
+# decode batches up to 24 sequences fall under it. The AVX2 build (no AVX-512) beats
+# oneDNN further on the default model's layers: 1.26x at 32 rows, 1.13x at 48, 1.03x at
+# 64 (bench/results/cpu-kernels-avx2.md, 2026-12-05, EPYC), so there it takes up to 48.
 SMALL_ROWS = 24
 SMALL_ROWS_AVX2 = 48
 
