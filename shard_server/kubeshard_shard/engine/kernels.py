@@ -21,9 +21,10 @@ the AVX-512 one), and ``KUBESHARD_PREBUILT_KERNELS`` names their folder; the hig
 level this CPU runs is loaded.
 
 ``module()`` is the whole extension (decode attention over every pool type, the GEMMs,
-the fused layers), or None when it cannot be built; ``compute.resolve_compute`` takes the
-engine's decode kernel (``paged_decode_scaled``) and the GEMMs from it and hands them to
-the model runner and layers. ``load()`` is the float32-only ``paged_decode`` alone.
+the fused layers, each step's argmax and log-sum-exp), or None when it cannot be built;
+``compute.resolve_compute`` takes the engine's decode kernel (``paged_decode_scaled``) and
+the GEMMs from it and hands them to the model runner and layers, and the sampler takes
+``argmax_logsumexp``. ``load()`` is the float32-only ``paged_decode`` alone.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from kubeshard_shard.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "gemm.cpp", "fused.cpp", "fused_decode.cpp", "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "gemm.cpp", "fused.cpp", "fused_decode.cpp", "logits.cpp", "bindings.cpp")
 HEADERS = ("simd.h", "kernels.h", "fused_decode.h")
 
 

@@ -171,7 +171,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: ModelTokenizer, lanes: list[Lane],
                  executor: StepExecutor, cache: ActivationCache | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, kernels=None) -> None:
         self.runner = runner
         self.cache = cache
         self.speculator = speculator  # its lookahead must be the lanes' schedulers' (Lane.create)
@@ -179,7 +179,7 @@ class LLMEngine:
         self.lanes = lanes
         self.executor = executor
         vocab_size = runner.model.config.vocab_size
-        self.sampler = Sampler(tokenizer.eos_ids, vocab_size)
+        self.sampler = Sampler(tokenizer.eos_ids, vocab_size, kernels)
         self.grammars = GrammarCache(tokenizer.tokenizer_json, tokenizer.eos_ids, vocab_size)
         self.requests: dict[int, _Request] = {}
         self.counters = StepCounters()
@@ -395,7 +395,7 @@ class LLMEngine:
         request = self.requests.get(seq.key)
         outputs: list[TokenOutput] = []
         if request is not None and not seq.aborted:
-            tokens = verify(logits, seq)
+            tokens = verify(logits, seq, self.sampler.kernels)
             self.speculator.verified(seq, position, proposed, len(tokens) - 1)
             state = request.states[seq.index]
             for tok in tokens:

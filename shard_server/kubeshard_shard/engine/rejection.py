@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kubeshard_shard.engine.sampler import SampledToken, apply_logit_bias, filter_logits
+from kubeshard_shard.engine.sampler import SampledToken, apply_logit_bias, best_and_lse, filter_logits
 from kubeshard_shard.engine.sequence import Sequence
 
 
@@ -60,9 +60,10 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor | None, draft: int, gene
     return race(residual / residual.sum(), generator)
 
 
-def verify(logits: torch.Tensor, seq: Sequence) -> list[SampledToken]:
+def verify(logits: torch.Tensor, seq: Sequence, kernels=None) -> list[SampledToken]:
     """The tokens a speculative step emits for ``seq``: the kept proposals, then one more
-    (``logits``: the ``k + 1`` rows of its newest token and its proposals)."""
+    (``logits``: the ``k + 1`` rows of its newest token and its proposals; ``kernels``:
+    the CPU kernels' module, as ``Sampler`` takes it)."""
     drafts, params = seq.spec_tokens, seq.params
     logits = logits.float()
     if params.logit_bias:
@@ -70,9 +71,9 @@ def verify(logits: torch.Tensor, seq: Sequence) -> list[SampledToken]:
             apply_logit_bias(row, seq)
     if params.do_sample and params.temperature != 1.0:
         logits = logits / params.temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
+    best, lse = best_and_lse(logits, kernels)
     if not params.do_sample:
-        best = logits.argmax(dim=-1).tolist()
+        best = best.tolist()
         kept = 0
         while kept < len(drafts) and best[kept] == drafts[kept]:
             kept += 1
@@ -91,11 +92,12 @@ def verify(logits: torch.Tensor, seq: Sequence) -> list[SampledToken]:
             chosen.append(draft)
         else:
             chosen.append(race(p[len(drafts)], seq.generator))
-    rows = torch.arange(len(chosen), device=logprobs.device)
-    picked = logprobs[rows, torch.tensor(chosen, device=logprobs.device)].tolist()
+    n = len(chosen)
+    rows = torch.arange(n, device=logits.device)
+    picked = (logits[rows, torch.tensor(chosen, device=logits.device)] - lse[:n]).tolist()
     top_n = params.top_n_tokens
     alternatives: list[list[tuple[int, float]]] = [[] for _ in chosen]
     if top_n:
-        top = torch.topk(logprobs[:len(chosen)], min(top_n, logprobs.shape[-1]), dim=-1)
-        alternatives = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        top = torch.topk(logits[:n], min(top_n, logits.shape[-1]), dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), (top.values - lse[:n, None]).tolist())]
     return [SampledToken(t, lp, alt) for t, lp, alt in zip(chosen, picked, alternatives)]

@@ -9,6 +9,9 @@ Greedy rows take the argmax. Sampled rows draw with the exponential-race trick
 (argmax of p / q with q ~ Exp(1)), where q comes from the request's own generator:
 the draw of one request depends only on its seed and its own distribution, never on
 what else is in the batch. Results reach the host in one transfer per step.
+
+A token's log-probability is its logit less its row's log-sum-exp (``best_and_lse``),
+so no step computes a log_softmax over the vocabulary to read one value of it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ class SampledToken:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+def best_and_lse(logits: torch.Tensor, kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (its first largest logit, as torch's) and log-sum-exp: in one
+    pass of the CPU kernels (``csrc/logits.cpp``) where they serve, else torch's ops."""
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return kernels.argmax_logsumexp(logits.contiguous())
+    return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
 
 
 def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
@@ -83,9 +94,10 @@ def filter_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_ids: frozenset[int] = frozenset(), vocab_size: int = 0) -> None:
+    def __init__(self, eos_ids: frozenset[int] = frozenset(), vocab_size: int = 0, kernels=None) -> None:
         self.eos_ids = tuple(sorted(eos_ids))
         self.masks = StepMasks(vocab_size) if vocab_size else None
+        self.kernels = kernels  # the CPU kernels' module (best_and_lse), or None
 
     def _too_early(self, seq: Sequence) -> list[int]:
         """Token ids a sequence may not sample yet (before min_new_tokens). A grammar
@@ -116,9 +128,7 @@ class Sampler:
         temps = [p.temperature if p.do_sample else 1.0 for p in params]
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, device=logits.device)[:, None]
-        logprobs = torch.log_softmax(logits, dim=-1)
-
-        chosen = logits.argmax(dim=-1)
+        chosen, lse = best_and_lse(logits, self.kernels)
         for i, (seq, p) in enumerate(zip(seqs, params)):
             if not p.do_sample:
                 continue
@@ -129,11 +139,11 @@ class Sampler:
             race = torch.empty_like(probs).exponential_(generator=seq.generator)
             chosen[i] = (probs / race).argmax()
 
-        chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+        chosen_logprobs = logits.gather(1, chosen[:, None])[:, 0] - lse
         top_n = max(p.top_n_tokens for p in params)
         if top_n:
-            top = torch.topk(logprobs, min(top_n, logprobs.shape[-1]), dim=-1)
-            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+            top = torch.topk(logits, min(top_n, logits.shape[-1]), dim=-1)
+            top_ids, top_lps = top.indices.tolist(), (top.values - lse[:, None]).tolist()
         ids, lps = chosen.tolist(), chosen_logprobs.tolist()
         result = []
         for i, p in enumerate(params):

@@ -212,7 +212,7 @@ def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
     if worker is not None and strategy.rank == 0:
         coordinator = ActivationCache(config.activations, worker, lambda ops: strategy.exchange_cache(ops, worker),
                                       config.block_size)
-    engine = LLMEngine(runner, tokenizer, lanes, strategy, coordinator, speculator)
+    engine = LLMEngine(runner, tokenizer, lanes, strategy, coordinator, speculator, compute.kernels)
     log.info("loaded %s (%s, %s%s on %s, GEMM %s, decode kernel %s): %d KV blocks of %d tokens (%s); limits "
              "input %d, total %d", config.model_id, model_config.architecture,
              str(compute.dtype).removeprefix("torch."),

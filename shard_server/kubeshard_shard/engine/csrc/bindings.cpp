@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &ks::rope_, "rotary embedding of q and k, in place");
   m.def("kv_store", &ks::kv_store, "write K/V rows into the paged cache (quantizing for int8)");
   m.def("silu_mul", &ks::silu_mul, "silu(gate) * up of a fused gate|up projection");
+  m.def("argmax_logsumexp", &ks::argmax_logsumexp, "each row's argmax and log-sum-exp (float32 logits)");
   // module_local: a process may load several builds of this module (a test builds the
   // portable ones beside the native one), and pybind11 registers classes process-wide
   py::class_<ks::FusedDecode>(m, "FusedDecode", py::module_local(),

@@ -23,4 +23,5 @@ void rope_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin)
 void kv_store(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
               c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
 at::Tensor silu_mul(at::Tensor gate_up);
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(at::Tensor logits);
 }  // namespace ks
