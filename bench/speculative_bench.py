@@ -39,9 +39,8 @@ CONFIGS = {
     "none": [],
     "ngram": ["--speculative", "ngram", "--num-speculative-tokens", "6", "--speculative-ngram-min", "2",
               "--speculative-ngram-max", "4"],
-    # down to one-token matches: a step with no longer match still proposes (each such
-    # proposal kept about one token on average on the copy-heavy set, for about 2 ms of
-    # verification per proposed token against a 26 ms step)
+    # down to one-token matches: a step with no longer match still proposes, at most two
+    # tokens after a one-token match (engine/ngram.py)
     "ngram-min1": ["--speculative", "ngram", "--num-speculative-tokens", "6", "--speculative-ngram-min", "1",
                    "--speculative-ngram-max", "4"],
     # the same as ngram, paused while 4 or more sequences run (at 8 clients most steps decode plainly)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from kubeshard_proto import pb
 from kubeshard_shard.config import EngineConfig, SpeculativeConfig
-from kubeshard_shard.engine.ngram import NgramProposer, lookup
+from kubeshard_shard.engine.ngram import ONE_TOKEN_MATCH_TOKENS, NgramProposer, lookup
 from kubeshard_shard.engine.rejection import accept_or_resample, race
 from kubeshard_shard.engine.request import make_sampling_params
 from kubeshard_shard.engine.sequence import Sequence
@@ -78,6 +78,16 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match():
     assert lookup(np.array([1, 2, 3, 4]), 3, 1, 3) == []  # no earlier occurrence
     assert lookup(np.array([1, 2, 1]), 5, 1, 3) == [2, 1]   # what exists, fewer than k
     assert lookup(tokens, 0, 1, 3) == []
+
+
+def test_a_one_token_match_proposes_at_most_two_tokens():
+    tokens = np.array([9, 1, 2, 3, 4, 5, 6, 9])  # only [9] occurred before
+    assert ONE_TOKEN_MATCH_TOKENS == 2
+    assert lookup(tokens, 6, 1, 3) == [1, 2]
+    assert lookup(tokens, 1, 1, 3) == [1]
+    assert lookup(tokens, 6, 2, 3) == []  # shorter than the shortest suffix looked up
+    longer = np.array([8, 9, 1, 2, 3, 4, 5, 6, 8, 9])  # [8, 9] occurred: a two-token match proposes k
+    assert lookup(longer, 6, 1, 3) == [1, 2, 3, 4, 5, 6]
 
 
 def test_proposals_shrink_after_a_refusal_and_grow_back_while_kept():

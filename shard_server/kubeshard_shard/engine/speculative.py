@@ -20,11 +20,12 @@ by later steps; the prefix cache only registers blocks of kept tokens.
 
 How many tokens a sequence may propose adapts to how its last proposals fared (at most
 ``k``): after a refusal, one more than were kept; after a draft kept whole, twice as
-many. A verification row is not free on a CPU: on the default model a step over 7 rows
-costs about 1.6 steps over 1 and over 2 rows 1.1 (bench/results/cpu-kernels-avx2.md), so
-where an answer stops copying from its prompt, k refused proposals would cost more
-than the one token they yield. Which tokens come out does not change (the greedy ones,
-or the target's distribution: a proposal's length depends only on what came before).
+many. A verification row is not free on a CPU: on the default model the layers' GEMMs
+over 7 rows take about 1.3 times their time over 1 row and over 2 rows 1.1 (AVX2,
+bench/results/cpu-kernels-avx2.md), so where an answer stops copying from its prompt, k
+refused proposals would cost more than the one token they yield. Which tokens come out
+does not change (the greedy ones, or the target's distribution: a proposal's length
+depends only on what came before).
 
 A request speculates unless it turned it off, and only where the one-token-at-a-time
 semantics need no state between positions: not under a grammar, repetition/frequency/
