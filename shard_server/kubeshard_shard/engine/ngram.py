@@ -12,8 +12,9 @@ source for a token or two and rejoins it, but it says little about what follows 
 on. With ``--speculative-ngram-min 1`` on the default model (AVX2 EPYC, 2026-12-05):
 bench/results/speculative-rounds-avx2.md, 1 client on copy-heavy answers, 1.70x the
 tokens/s of plain decoding against 1.56x from two-token matches; 8 clients on free chat
-0.81x against 0.89x (uncapped, in a run before it, not kept: 1.66x and 0.72x). In-process, per
-decoded token at 1 sequence on copy-heavy answers: 1.98x capped, 1.90x uncapped.
+0.81x against 0.89x (uncapped, in a run before it, not kept: 1.66x and 0.72x).
+In-process, per decoded token at 1 sequence on copy-heavy answers: 1.98x capped, 1.90x
+uncapped.
 """
 
 from __future__ import annotations
