@@ -27,18 +27,22 @@ namespace ks {
 // after subtracting the max, SiLU): 2^(x log2 e) = 2^n * 2^f, 2^f by a degree-6
 // polynomial on [-0.5, 0.5] (relative error ~1e-7, as good as float32 gives); x is
 // clamped to [-87, 88], where float32's exp neither underflows nor overflows.
+// exp_f32x8 below is the same on eight lanes.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
 static inline float exp_f32(float x) {
   x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.44269504088896341f;
+  const float t = x * kLog2e;
   const float n = std::nearbyint(t);
   const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  float p = kExp2Poly[0];
+  p = p * f + kExp2Poly[1];
+  p = p * f + kExp2Poly[2];
+  p = p * f + kExp2Poly[3];
+  p = p * f + kExp2Poly[4];
+  p = p * f + kExp2Poly[5];
+  p = p * f + kExp2Poly[6];
   int32_t bits;
   std::memcpy(&bits, &p, sizeof(bits));
   bits += static_cast<int32_t>(n) << 23;
@@ -89,6 +93,30 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 #if defined(KS_AVX2)
+// exp_f32 on eight lanes: the same steps, the same polynomial.
+static inline __m256 exp_f32x8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[1]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[2]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[3]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[4]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[5]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[6]));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_castsi256_ps(bits);
+}
+
+static inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 static inline float hsum256(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
