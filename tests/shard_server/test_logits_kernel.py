@@ -1,7 +1,8 @@
 """Each row's argmax and log-sum-exp in one kernel call (``csrc/logits.cpp``), against
 torch's on the vocabulary sizes of the models and on the edges of its loops and of
-torch's semantics (ties, NaN, infinities); and the sampler's and the speculative
-verification's log-probabilities through it equal a log_softmax in double."""
+torch's semantics (ties, NaN, infinities); and the sampler's, the speculative
+verification's and the prompt's log-probabilities through it equal a log_softmax in
+double."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.rejection import verify
 from kubeshard_shard.engine.request import make_sampling_params
-from kubeshard_shard.engine.sampler import Sampler, best_and_lse
+from kubeshard_shard.engine.sampler import Sampler, best_and_lse, token_logprobs
 from kubeshard_shard.engine.sequence import Sequence
 
 NAN, INF = float("nan"), float("inf")
@@ -103,3 +104,21 @@ def test_verification_through_the_kernel_keeps_the_same_tokens_and_logprobs(cpu_
         assert t.logprob == pytest.approx(want[i, t.token_id].item(), abs=2e-7)
         assert [a for a, _ in t.top] == torch.topk(logits[i], 2).indices.tolist()
     assert [t.token_id for t in verify(logits.clone(), seq, None)] == best[:3]
+
+
+def test_prompt_logprobs_through_the_kernel_equal_log_softmax(cpu_kernels):
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(9)) * 4
+    targets = [3, 49151, 0, 777, 12345, int(logits[5].argmax())]
+    want = torch.log_softmax(logits.double(), dim=-1)
+    values, top = token_logprobs(logits, targets, 3, cpu_kernels)
+    for i, t in enumerate(targets):
+        assert values[i] == pytest.approx(want[i, t].item(), abs=2e-7)
+    assert [[t for t, _ in row] for row in top] == torch.topk(logits, 3).indices.tolist()
+    for i, row in enumerate(top):
+        for t, lp in row:
+            assert lp == pytest.approx(want[i, t].item(), abs=2e-7)
+    assert values[5] == top[5][0][1]  # the most likely token: one value, however it is asked for
+    plain, plain_top = token_logprobs(logits, targets, 3, None)  # torch's ops, float32
+    assert plain == pytest.approx(values, abs=2e-5)
+    assert [[t for t, _ in row] for row in plain_top] == [[t for t, _ in row] for row in top]
+    assert token_logprobs(logits, targets, 0, cpu_kernels)[1] == []

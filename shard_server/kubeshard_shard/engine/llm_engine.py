@@ -33,7 +33,7 @@ from kubeshard_shard.engine.grammar import GrammarCache
 from kubeshard_shard.engine.lane import Lane
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs, StepPlan
 from kubeshard_shard.engine.rejection import verify
-from kubeshard_shard.engine.sampler import Sampler
+from kubeshard_shard.engine.sampler import Sampler, token_logprobs
 from kubeshard_shard.engine.scheduler import Scheduler
 from kubeshard_shard.engine.speculative import SpeculativeStats, Speculator
 from kubeshard_shard.engine.stopping import stop_reason
@@ -411,16 +411,12 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
         for seq, row, count, first_token in plan.prompt_rows:
-            rows = torch.log_softmax(logits[row:row + count].float(), dim=-1)
-            targets = torch.tensor(seq.token_ids[first_token:first_token + count], dtype=torch.long,
-                                   device=rows.device)
-            values = rows.gather(1, targets[:, None])[:, 0].tolist()
-            seq.prefill_logprobs[first_token:first_token + count] = values
             k = seq.params.prefill_top_n_tokens
+            values, top = token_logprobs(logits[row:row + count], seq.token_ids[first_token:first_token + count],
+                                         k, self.sampler.kernels)
+            seq.prefill_logprobs[first_token:first_token + count] = values
             if k:
-                top = torch.topk(rows, min(k, rows.shape[-1]), dim=-1)
-                seq.prefill_top[first_token:first_token + count] = [
-                    list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(), top.values.tolist())]
+                seq.prefill_top[first_token:first_token + count] = top
 
     def _top_tokens(self, pairs: list[tuple[int, float]]) -> list[TopToken]:
         special = self.tokenizer.special_ids

@@ -39,6 +39,22 @@ def best_and_lse(logits: torch.Tensor, kernels=None) -> tuple[torch.Tensor, torc
     return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
 
 
+def token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int = 0, kernels=None
+                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Each row's log-probability of its target token, and (top_n > 0) the row's top_n
+    tokens with theirs, as the sampler computes a generated token's: the logit less the
+    row's log-sum-exp. The prompt's log-probabilities (TGI's decoder_input_details) are
+    these, each prompt token the target of the row before it."""
+    logits = logits.float()
+    _, lse = best_and_lse(logits, kernels)
+    ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    values = (logits.gather(1, ids[:, None])[:, 0] - lse).tolist()
+    if not top_n:
+        return values, []
+    top = torch.topk(logits, min(top_n, logits.shape[-1]), dim=-1)
+    return values, [list(zip(i, v)) for i, v in zip(top.indices.tolist(), (top.values - lse[:, None]).tolist())]
+
+
 def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
     p = seq.params
     if p.repetition_penalty not in (None, 1.0):
