@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from kubeshard_shard.engine.sampler import SampledToken, apply_logit_bias, best_and_lse, filter_logits
+from kubeshard_shard.engine.sampler import (SampledToken, apply_logit_bias, best_and_lse, filter_logits,
+                                           top_logprobs)
 from kubeshard_shard.engine.sequence import Sequence
 
 
@@ -96,8 +97,5 @@ def verify(logits: torch.Tensor, seq: Sequence, kernels=None) -> list[SampledTok
     rows = torch.arange(n, device=logits.device)
     picked = (logits[rows, torch.tensor(chosen, device=logits.device)] - lse[:n]).tolist()
     top_n = params.top_n_tokens
-    alternatives: list[list[tuple[int, float]]] = [[] for _ in chosen]
-    if top_n:
-        top = torch.topk(logits[:n], min(top_n, logits.shape[-1]), dim=-1)
-        alternatives = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), (top.values - lse[:n, None]).tolist())]
+    alternatives = top_logprobs(logits[:n], lse[:n], top_n) if top_n else [[] for _ in chosen]
     return [SampledToken(t, lp, alt) for t, lp, alt in zip(chosen, picked, alternatives)]

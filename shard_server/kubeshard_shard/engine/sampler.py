@@ -39,6 +39,13 @@ def best_and_lse(logits: torch.Tensor, kernels=None) -> tuple[torch.Tensor, torc
     return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
 
 
+def top_logprobs(logits: torch.Tensor, lse: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
+    """Each row's ``n`` most likely tokens with their log-probabilities (logit less the
+    row's log-sum-exp ``lse``), most likely first."""
+    top = torch.topk(logits, min(n, logits.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), (top.values - lse[:, None]).tolist())]
+
+
 def token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int = 0, kernels=None
                    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Each row's log-probability of its target token, and (top_n > 0) the row's top_n
@@ -49,10 +56,7 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int = 0, ker
     _, lse = best_and_lse(logits, kernels)
     ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
     values = (logits.gather(1, ids[:, None])[:, 0] - lse).tolist()
-    if not top_n:
-        return values, []
-    top = torch.topk(logits, min(top_n, logits.shape[-1]), dim=-1)
-    return values, [list(zip(i, v)) for i, v in zip(top.indices.tolist(), (top.values - lse[:, None]).tolist())]
+    return values, top_logprobs(logits, lse, top_n) if top_n else []
 
 
 def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
@@ -157,14 +161,7 @@ class Sampler:
 
         chosen_logprobs = logits.gather(1, chosen[:, None])[:, 0] - lse
         top_n = max(p.top_n_tokens for p in params)
-        if top_n:
-            top = torch.topk(logits, min(top_n, logits.shape[-1]), dim=-1)
-            top_ids, top_lps = top.indices.tolist(), (top.values - lse[:, None]).tolist()
+        top = top_logprobs(logits, lse, top_n) if top_n else []
         ids, lps = chosen.tolist(), chosen_logprobs.tolist()
-        result = []
-        for i, p in enumerate(params):
-            alternatives = []
-            if p.top_n_tokens:
-                alternatives = list(zip(top_ids[i][:p.top_n_tokens], top_lps[i][:p.top_n_tokens]))
-            result.append(SampledToken(ids[i], lps[i], alternatives))
-        return result
+        return [SampledToken(ids[i], lps[i], top[i][:p.top_n_tokens] if p.top_n_tokens else [])
+                for i, p in enumerate(params)]
