@@ -1,11 +1,12 @@
-"""Where our float32 small-batch GEMM (``engine/csrc/gemm.cpp``) beats the library's.
+"""Where our float32 GEMMs (``engine/csrc/gemm.cpp`` for a few rows, ``packed_gemm.cpp`` for
+many) beat the library's.
 
 A decode step multiplies a few rows (one per sequence, or a speculative verification's
 proposals) by every weight of the model, each read once from memory. This times one
 pass over all of a model's float32 linear layers, in layer order, as a step makes it
 (the weights are far larger than the caches, so they stream from memory), for M rows of
-input with each GEMM path, side by side and interleaved in one run: our kernel, oneDNN's
-fused linear (the path ``compute.py`` takes for larger products) and ``F.linear``. The
+input with each GEMM path, side by side and interleaved in one run: our kernel, our
+packed-tile kernel, oneDNN's fused linear and ``F.linear``. The
 LM head is timed apart: a step multiplies only the rows that sample by it.
 ``compute.small_rows`` (the most rows our kernel takes on a CPU) is chosen from these numbers.
 ``--against REF`` adds our kernel as it was at git revision REF, built beside today's,
@@ -114,7 +115,8 @@ def main() -> None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
     builds, args.against = kernel_builds(args.against, args.march)
-    paths = {"ours": builds["ours"].gemm_f32, "onednn": compute.onednn_gemm, "F.linear": F.linear}
+    paths = {"ours": builds["ours"].gemm_f32, "packed": builds["ours"].gemm_f32_packed,
+             "onednn": compute.onednn_gemm, "F.linear": F.linear}
     if args.against:
         paths["against"] = builds["against"].gemm_f32
     rows = [int(r) for r in args.rows.split(",")]
@@ -139,13 +141,18 @@ def main() -> None:
 
 def _table(section: dict, against: str | None) -> list[str]:
     rows = []
+    packed = all("packed" in t for t in section.values())  # results before the packed kernel have none
     for m, t in section.items():
         best = min(t["onednn"], t["F.linear"])
         row = [m, f"{t['ours']:.2f}", f"{t['onednn']:.2f}", f"{t['F.linear']:.2f}", f"{best / t['ours']:.2f}×"]
+        if packed:
+            row += [f"{t['packed']:.2f}", f"{best / t['packed']:.2f}×"]
         if against:
             row += [f"{t['against']:.2f}", f"{t['against'] / t['ours']:.2f}×"]
         rows.append(row)
     header = ["rows", "ours ms", "oneDNN ms", "F.linear ms", "ours vs the better library"]
+    if packed:
+        header += ["packed ms", "packed vs the better library"]
     if against:
         header += [f"ours at {against} ms", f"ours vs ours at {against}"]
     return md_table(header, rows, right=True)
@@ -163,7 +170,10 @@ def render(r: dict) -> str:
              "multiplies), for each number of input rows; median of the runs, the paths interleaved. "
              "*ours vs …*: the other path's time over ours (above 1×, ours is faster). "
              f"`compute.small_rows` on this CPU when this ran: {r['small_rows']} (products with at most that many rows "
-             "take our kernel).", ""]
+             "take our kernel)." + (
+                 " *packed*: our packed-tile kernel for many rows (`packed_gemm.cpp`), which takes the products "
+                 "above that on CPUs whose widest vectors are AVX2 (`compute.packed_for_many_rows`)."
+                 if "packed" in next(iter(next(iter(r["models"].values()))["layers"].values())) else ""), ""]
     for name, section in r["models"].items():
         lines += [f"## {name} model: the layers ({section['layer_bytes'] / 2**20:.0f} MiB)", "",
                   *_table(section["layers"], r.get("against")), "",

@@ -14,7 +14,9 @@ other CPUs oneDNN cannot even build the primitive, so bfloat16 goes through
 once against ``F.linear`` on a small product before it is used. Under oneDNN, products
 of a few rows (decode at small batch) go through our float32 kernel
 (``engine/csrc/gemm.cpp``), which streams the weight at memory speed where oneDNN's
-matrix-vector path does not.
+matrix-vector path does not; on AVX2 CPUs without AVX-512 the larger ones (prefill) go
+through our packed-tile kernel (``engine/csrc/packed_gemm.cpp``), which runs 1.1-1.4x
+oneDNN's linear there without a second, prepacked copy of the weights.
 """
 
 from __future__ import annotations
@@ -61,22 +63,37 @@ SMALL_ROWS = 24
 SMALL_ROWS_AVX2 = 48
 
 
+def _avx2_only(cpu: CpuFeatures) -> bool:
+    return {"avx2", "fma"} <= cpu.flags and not {"avx512f", "avx512bw"} <= cpu.flags
+
+
 def small_rows(cpu: CpuFeatures) -> int:
     """The most rows our float32 kernel takes on this CPU (the build follows its flags)."""
-    avx512 = {"avx512f", "avx512bw"} <= cpu.flags
-    return SMALL_ROWS_AVX2 if {"avx2", "fma"} <= cpu.flags and not avx512 else SMALL_ROWS
+    return SMALL_ROWS_AVX2 if _avx2_only(cpu) else SMALL_ROWS
+
+
+def packed_for_many_rows(cpu: CpuFeatures) -> bool:
+    """Whether products of more than ``small_rows`` rows take our packed-tile kernel
+    (``gemm_f32_packed``) on this CPU rather than oneDNN's: where AVX2 is the widest
+    vector (measured there; with AVX-512 oneDNN's kernels use twice the width ours do)."""
+    return _avx2_only(cpu)
 
 
 class SmallBatchGemm:
-    """Our float32 kernel for products of at most ``rows`` rows, ``large`` above."""
+    """Our float32 kernels: ``gemm_f32`` for products of at most ``rows`` rows; above,
+    ``gemm_f32_packed`` where ``packed`` (else ``large``, the library's)."""
 
-    def __init__(self, kernels, large: Gemm, rows: int = SMALL_ROWS) -> None:
+    def __init__(self, kernels, large: Gemm, rows: int = SMALL_ROWS, packed: bool = False) -> None:
         self.kernel, self.large, self.rows = kernels.gemm_f32, large, rows
+        self.many = kernels.gemm_f32_packed if packed else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (x.dim() == 2 and x.shape[0] <= self.rows and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and weight.is_contiguous() and x.device.type == "cpu"):
-            return self.kernel(x.contiguous(), weight, bias)
+        if (x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
+                and x.device.type == "cpu" and (bias is None or bias.dtype == torch.float32)):
+            if x.shape[0] <= self.rows:
+                return self.kernel(x.contiguous(), weight, bias)
+            if self.many is not None:
+                return self.many(x.contiguous(), weight, bias)
         return self.large(x, weight, bias)
 
 
@@ -213,7 +230,9 @@ def resolve_compute(config: EngineConfig, model_config: ModelConfig,
     check_quantize(config, device, dtype, cpu, built)
     kernel = built.paged_decode_scaled if built is not None else None
     if built is not None and dtype == torch.float32 and config.cpu_gemm == "auto" and gemm_name == "onednn":
-        gemm, gemm_name = SmallBatchGemm(built, gemm, small_rows(cpu)), "kubeshard+onednn"
+        packed = packed_for_many_rows(cpu)
+        gemm = SmallBatchGemm(built, gemm, small_rows(cpu), packed)
+        gemm_name = "kubeshard" if packed else "kubeshard+onednn"
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.native_bf16:
         log.warning("this CPU (%s) has no native bfloat16 arithmetic: bfloat16 runs on the portable path, "
                     "slower than float32 here", cpu.describe())

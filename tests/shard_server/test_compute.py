@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubeshard_shard.compute import SMALL_ROWS, SMALL_ROWS_AVX2, choose_gemm, resolve_compute, small_rows, torch_gemm
+from kubeshard_shard.compute import (SMALL_ROWS, SMALL_ROWS_AVX2, SmallBatchGemm, choose_gemm, packed_for_many_rows,
+                                     resolve_compute, small_rows, torch_gemm)
 from kubeshard_shard.config import EngineConfig, MemoryBudget
 from kubeshard_shard.hardware import CpuFeatures
 from kubeshard_shard.models.config import load_model_config
@@ -48,6 +49,37 @@ def test_our_float32_gemm_takes_more_rows_on_the_avx2_build_than_on_avx512_or_po
     assert small_rows(AVX2_ONLY) == SMALL_ROWS_AVX2 > SMALL_ROWS
     assert small_rows(CpuFeatures.parse(AVX2_CPUINFO.replace("bmi2", "bmi2 avx512f avx512bw"))) == SMALL_ROWS
     assert small_rows(CpuFeatures.parse(AVX2_CPUINFO.replace(" avx2 fma", ""))) == SMALL_ROWS
+
+
+def test_many_rows_take_our_packed_kernel_only_where_avx2_is_the_widest_vector():
+    assert packed_for_many_rows(AVX2_ONLY)
+    assert not packed_for_many_rows(CpuFeatures.parse(AVX2_CPUINFO.replace("bmi2", "bmi2 avx512f avx512bw")))
+    assert not packed_for_many_rows(CpuFeatures.parse(AVX2_CPUINFO.replace(" avx2 fma", "")))
+
+
+@pytest.mark.parametrize("avx512", [False, True], ids=["avx2 plan", "avx-512 plan"])
+def test_the_float32_plan_routes_each_product_by_its_rows(demo_model, avx512):
+    """Up to small_rows rows: our few-rows kernel; above: the packed kernel on an AVX2
+    plan, oneDNN's linear on an AVX-512 one (each the very bits of that path)."""
+    model = demo_model("llama")
+    cpu = CpuFeatures.parse(AVX2_CPUINFO.replace("bmi2", "bmi2 avx512f avx512bw")) if avx512 else AVX2_ONLY
+    plan = resolve_compute(config(model), load_model_config(model), cpu=cpu)
+    gemm = plan.gemm
+    if plan.gemm_name == "torch":
+        pytest.skip("oneDNN's linear is unavailable in this torch build")  # the plan's own choice, tested above
+    assert isinstance(gemm, SmallBatchGemm)
+    assert plan.gemm_name == ("kubeshard+onednn" if avx512 else "kubeshard")
+    w, b = torch.randn(40, 64), torch.randn(40)
+    few, many = torch.randn(gemm.rows, 64), torch.randn(gemm.rows + 5, 64)
+    assert torch.equal(gemm(few, w, b), plan.kernels.gemm_f32(few, w, b))
+    if avx512:
+        assert gemm.many is None
+        assert torch.equal(gemm(many, w, b), gemm.large(many, w, b))
+    else:
+        assert torch.equal(gemm(many, w, b), plan.kernels.gemm_f32_packed(many, w, b))
+        # a view of x (rows of a larger step) goes through the same kernel, copied contiguous
+        wide = torch.randn(gemm.rows + 5, 128)
+        assert torch.equal(gemm(wide[:, :64], w, b), plan.kernels.gemm_f32_packed(wide[:, :64].contiguous(), w, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

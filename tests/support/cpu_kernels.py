@@ -13,8 +13,9 @@ from kubeshard_shard.models import quant
 
 SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]  # (rows of x, N, K)
 # K not a multiple of a vector (the tail of each row); 4 and 6 rows: the AVX2 kernel's
-# sweeps over three and two W rows at a time
-F32_SHAPES = SHAPES + [(7, 50, 100), (4, 40, 200), (6, 37, 576)]
+# sweeps over three and two W rows at a time; many rows (the packed kernel's six-row
+# steps and a remainder; N not a multiple of its 16-column tiles); K = 1
+F32_SHAPES = SHAPES + [(7, 50, 100), (4, 40, 200), (6, 37, 576), (53, 37, 100), (100, 64, 576), (13, 17, 1)]
 # group 96 (three blocks): the kernels' path for groups that are not a power of two blocks
 INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 96, 0) if not group or kdim % group == 0]
 INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES
@@ -54,15 +55,19 @@ def exact_q4(x, packed, scales, mins, group):
 
 
 def check_float32_kernel(built, m: int, n: int, kdim: int) -> None:
+    """Both float32 kernels: ``gemm_f32`` (a few rows) and ``gemm_f32_packed`` (many)."""
     gen = torch.Generator().manual_seed(m * n)
     x, w, b = torch.randn(m, kdim, generator=gen), torch.randn(n, kdim, generator=gen), torch.randn(n, generator=gen)
     want = F.linear(x.double(), w.double(), b.double())
-    got = built.gemm_f32(x, w, b)
-    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (m, n, kdim)
-    # each row's result is the same bit for bit whatever rows share its product (the
-    # tiles differ with the number of rows): a verification row's logits are a decode's
-    for i in range(m):
-        assert torch.equal(got[i], built.gemm_f32(x[i:i + 1], w, b)[0]), (m, n, kdim, i)
+    for gemm in (built.gemm_f32, built.gemm_f32_packed):
+        got = gemm(x, w, b)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (gemm, m, n, kdim)
+        # each row's result is the same bit for bit whatever rows share its product (the
+        # tiles differ with the number of rows): a verification row's logits are a decode's
+        for i in range(m):
+            assert torch.equal(got[i], gemm(x[i:i + 1], w, b)[0]), (gemm, m, n, kdim, i)
+    without_bias = built.gemm_f32_packed(x, w, None).double()
+    assert torch.allclose(without_bias, want - b.double(), rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
 def check_int8_kernel(built, m: int, n: int, kdim: int, group: int) -> None:

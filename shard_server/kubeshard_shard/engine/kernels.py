@@ -1,6 +1,6 @@
 """The compiled CPU kernels (``csrc/``): decode attention over the paged KV cache, and
 the GEMMs of decode-sized batches in float32, int8 and int4 (``csrc/gemm.cpp`` says why
-they are ours and not a library's).
+they are ours and not a library's), and float32 GEMMs of many rows (``csrc/packed_gemm.cpp``).
 
 Why our own kernel: without it, decode attention gathers every sequence's context into
 a padded batch (a copy of the whole KV context per layer per step) and then runs a
@@ -47,7 +47,8 @@ from kubeshard_shard.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "gemm.cpp", "fused.cpp", "fused_decode.cpp", "logits.cpp", "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "gemm.cpp", "packed_gemm.cpp", "fused.cpp", "fused_decode.cpp", "logits.cpp",
+           "bindings.cpp")
 HEADERS = ("simd.h", "kernels.h", "fused_decode.h")
 
 

@@ -7,6 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, bfloat16, float16)");
   m.def("paged_decode_scaled", &paged_decode_scaled, "decode attention over a paged KV cache, int8 with scales too");
   m.def("gemm_f32", &ks::gemm_f32, "y = x W^T (+ b) for a few rows of x, float32 W");
+  m.def("gemm_f32_packed", &ks::gemm_f32_packed, "y = x W^T (+ b) for many rows of x, float32 W (tiles packed)");
   m.def("gemm_q8", &ks::gemm_q8, "y = x W^T (+ b), int8 W with float16 scales per group");
   m.def("gemm_q4", &ks::gemm_q4, "y = x W^T (+ b), packed int4 W with float16 scales and minimums per group");
   m.def("dequant_rows", &ks::dequant_rows, "rows of an int8 or packed int4 matrix as float32");

@@ -13,6 +13,7 @@ void paged_decode_scaled(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::T
 
 namespace ks {
 at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+at::Tensor gemm_f32_packed(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 at::Tensor gemm_q8(at::Tensor x, at::Tensor w, at::Tensor scales, int64_t G, c10::optional<at::Tensor> bias);
 at::Tensor gemm_q4(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor mins, int64_t G,
                    c10::optional<at::Tensor> bias);
