@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from kubeshard_proto import pb
 from kubeshard_shard.config import EngineConfig, SpeculativeConfig
-from kubeshard_shard.engine.ngram import ONE_TOKEN_MATCH_TOKENS, NgramProposer, lookup
+from kubeshard_shard.engine.ngram import SHORT_MATCH, SHORT_MATCH_TOKENS, NgramProposer, lookup
 from kubeshard_shard.engine.rejection import accept_or_resample, race
 from kubeshard_shard.engine.request import make_sampling_params
 from kubeshard_shard.engine.sequence import Sequence
@@ -80,30 +80,51 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match():
     assert lookup(tokens, 0, 1, 3) == []
 
 
-def test_a_one_token_match_proposes_at_most_two_tokens():
+def test_a_match_shorter_than_three_tokens_proposes_at_most_two():
     tokens = np.array([9, 1, 2, 3, 4, 5, 6, 9])  # only [9] occurred before
-    assert ONE_TOKEN_MATCH_TOKENS == 2
+    assert (SHORT_MATCH, SHORT_MATCH_TOKENS) == (3, 2)
     assert lookup(tokens, 6, 1, 3) == [1, 2]
     assert lookup(tokens, 1, 1, 3) == [1]
     assert lookup(tokens, 6, 2, 3) == []  # shorter than the shortest suffix looked up
-    longer = np.array([8, 9, 1, 2, 3, 4, 5, 6, 8, 9])  # [8, 9] occurred: a two-token match proposes k
-    assert lookup(longer, 6, 1, 3) == [1, 2, 3, 4, 5, 6]
+    two = np.array([8, 9, 1, 2, 3, 4, 5, 6, 8, 9])  # [8, 9] occurred: two tokens, still short
+    assert lookup(two, 6, 1, 3) == [1, 2]
+    assert lookup(two, 6, 1, 2) == [1, 2, 3, 4, 5, 6]  # two is the longest looked for: it counts as long
+    three = np.array([7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # [7, 8, 9] occurred: k
+    assert lookup(three, 6, 1, 3) == [1, 2, 3, 4, 5, 6]
 
 
-def test_proposals_shrink_after_a_refusal_and_grow_back_while_kept():
+class _Costly(NgramProposer):
+    """An n-gram proposer that claims its proposals cost a model step each, as a draft's do."""
+
+    free = False
+
+
+def test_a_lone_sequence_with_free_proposals_always_may_propose_k():
     seq = Sequence("r", [1, 2, 3], make_sampling_params(max_new_tokens=100))
     spec = Speculator(NgramProposer(1, 3), num_tokens=6)
-    assert spec.lookahead(seq, running=1) == 6  # the configured number first
+    assert spec.lookahead(seq, running=1) == 6
+    spec.verified(seq, position=3, proposed=6, kept=0)  # refused at once
+    assert spec.lookahead(seq, running=1) == 6  # alone: a verification row is cheap, k again
+    assert spec.lookahead(seq, running=2) == 1  # in a batch: it adapts (below)
+
+
+@pytest.mark.parametrize("proposer, running", [(NgramProposer(1, 3), 2), (_Costly(1, 3), 1)],
+                         ids=["ngram in a batch", "costly proposals alone"])
+def test_proposals_shrink_after_a_refusal_and_grow_back_while_kept(proposer, running):
+    seq = Sequence("r", [1, 2, 3], make_sampling_params(max_new_tokens=100))
+    spec = Speculator(proposer, num_tokens=6)
+    assert spec.lookahead(seq, running) == 6  # the configured number first
     spec.verified(seq, position=3, proposed=6, kept=2)  # refused at the third: 2 kept + 1
-    assert spec.lookahead(seq, running=1) == 3
+    assert spec.lookahead(seq, running) == 3
     spec.verified(seq, position=6, proposed=3, kept=0)  # refused at once: 1
-    assert spec.lookahead(seq, running=1) == 1
+    assert spec.lookahead(seq, running) == 1
     for proposed, want in [(1, 2), (2, 4), (4, 6), (6, 6)]:  # kept whole: doubled, up to 6
         spec.verified(seq, position=10, proposed=proposed, kept=proposed)
-        assert spec.lookahead(seq, running=1) == want
+        assert spec.lookahead(seq, running) == want
     # the request's token budget still caps it: 3 tokens left, room for 2 proposals and one more
     seq.token_ids += [0] * 97
-    assert seq.num_output_tokens == 97 and spec.lookahead(seq, running=1) == 2
+    assert seq.num_output_tokens == 97 and spec.lookahead(seq, running) == 2
+    assert spec.lookahead(seq, 1) == 2  # alone with free proposals too
     stats = spec.stats()
     assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (6, 22, 15)
 

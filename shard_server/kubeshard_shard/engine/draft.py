@@ -33,6 +33,7 @@ CATCH_UP_ROWS = 16
 
 class DraftProposer:
     name = "draft"
+    free = False  # every proposal is one step of the draft model
 
     def __init__(self, runners: list[ModelRunner]) -> None:
         self.runners = runners  # one per lane: the draft model over that lane's draft pool

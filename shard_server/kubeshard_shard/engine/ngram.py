@@ -6,15 +6,16 @@ answers that copy from the prompt (editing code, extracting fields, quoting) rep
 long runs of it. The longest suffix from ``max_n`` down to ``min_n`` that has an earlier
 match wins; among its matches, the most recent one (the nearest context).
 
-A one-token match proposes at most ``ONE_TOKEN_MATCH_TOKENS``: a single repeated token
-(a space, a quote, a newline) bridges the places where a copied answer leaves its
-source for a token or two and rejoins it, but it says little about what follows further
-on. With ``--speculative-ngram-min 1`` on the default model (AVX2 EPYC, 2026-12-05):
-bench/results/speculative-rounds-avx2.md, 1 client on copy-heavy answers, 1.70x the
-tokens/s of plain decoding against 1.56x from two-token matches; 8 clients on free chat
-0.81x against 0.89x (uncapped, in a run before it, not kept: 1.66x and 0.72x).
-In-process, per decoded token at 1 sequence on copy-heavy answers: 1.98x capped, 1.90x
-uncapped.
+A match shorter than ``SHORT_MATCH`` tokens proposes at most ``SHORT_MATCH_TOKENS``: a
+repeated token or two (a space, a quote, a newline, ``", "``) bridges the places where a
+copied answer leaves its source for a token or two and rejoins it, but says little about
+what follows further on. Replayed on the default model's greedy answers at every position
+(bench/results/ngram-replay-avx2.md, AVX2 EPYC, 2026-12-06): on copy-heavy answers the
+first proposal after a one-token match was kept 52% of the time and the third 9%, after
+two tokens 50% and 16%, after three or four 70% and 54%, after five or more the sixth
+still 58-73%; on free chat after one token 14% and 3%. A verification row costs a few
+percent of a one-row step there (7 rows: 1.27x one), so a proposal kept less than about
+one time in six costs more than it brings.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import numpy as np
 from kubeshard_shard.engine.sequence import Sequence
 
 
-ONE_TOKEN_MATCH_TOKENS = 2
+SHORT_MATCH = 3
+SHORT_MATCH_TOKENS = 2
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``k`` tokens (``ONE_TOKEN_MATCH_TOKENS`` after a one-token match) that
-    followed the latest earlier occurrence of the longest suffix of ``tokens``
-    (``min_n`` to ``max_n`` tokens long); [] when none occurs."""
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``tokens`` (``min_n`` to ``max_n`` tokens long); [] when none occurs. A
+    match shorter than ``SHORT_MATCH`` tokens (and than ``max_n``: the longest looked
+    for counts as long) proposes at most ``SHORT_MATCH_TOKENS``."""
     total = len(tokens)
     if k < 1 or total < min_n + 1:
         return []
@@ -39,14 +42,16 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     ends = np.flatnonzero(tokens[:-1] == last)
     if ends.size == 0:
         return []
+    long_from = min(SHORT_MATCH, max_n)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         suffix = tokens[total - n:]
+        take = k if n >= long_from else min(k, SHORT_MATCH_TOKENS)
         for end in ends[::-1]:  # the most recent match first
             start = end - n + 1
             if start < 0:
                 continue
             if np.array_equal(tokens[start:end + 1], suffix):
-                follow = tokens[end + 1:end + 1 + (k if n > 1 else min(k, ONE_TOKEN_MATCH_TOKENS))]
+                follow = tokens[end + 1:end + 1 + take]
                 if follow.size:
                     return follow.tolist()
     return []
@@ -56,6 +61,7 @@ class NgramProposer:
     """Proposes from each sequence's own tokens (``lookup``)."""
 
     name = "ngram"
+    free = True  # a proposal costs nothing to make: only its verification row costs
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n

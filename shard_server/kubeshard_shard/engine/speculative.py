@@ -19,13 +19,18 @@ K/V written for refused proposals sit past ``num_computed_tokens`` and are overw
 by later steps; the prefix cache only registers blocks of kept tokens.
 
 How many tokens a sequence may propose adapts to how its last proposals fared (at most
-``k``): after a refusal, one more than were kept; after a draft kept whole, twice as
-many. A verification row is not free on a CPU: on the default model the layers' GEMMs
-over 7 rows take about 1.3 times their time over 1 row and over 2 rows 1.1 (AVX2,
-bench/results/cpu-kernels-avx2.md), so where an answer stops copying from its prompt, k
-refused proposals would cost more than the one token they yield. Which tokens come out
-does not change (the greedy ones, or the target's distribution: a proposal's length
-depends only on what came before).
+``k``) where proposing costs something or the step is shared: after a refusal, one more
+than were kept; after a draft kept whole, twice as many. A draft model's proposals cost
+a draft step each, and in a batch every verification row adds to a step whose rows
+already keep the cores busy. A sequence alone with a free proposer (n-gram lookups)
+always may propose ``k`` (the proposer bounds short matches itself, ``engine.ngram``): a
+verification row costs a few percent of a one-row step there, little against the tokens
+a proposal after a refusal still brings. On the default model's copy-heavy answers,
+replayed (bench/results/ngram-replay-avx2.md, 2026-12-06): 2.43x the decoding speed at k =
+6 against 2.19x shrinking; end to end at 1 client (speculative-rounds-avx2.md, prefill
+included) 1.94x plain decoding, 1.70x the day before with shrinking (and a slower
+prefill). Which tokens come out does not change (the greedy ones, or the target's
+distribution: a proposal's length depends only on what came before).
 
 A request speculates unless it turned it off, and only where the one-token-at-a-time
 semantics need no state between positions: not under a grammar, repetition/frequency/
@@ -46,6 +51,7 @@ from kubeshard_shard.engine.sequence import Sequence
 
 class Proposer(Protocol):
     name: str
+    free: bool  # proposing costs nothing next to verifying (no model runs)
 
     def propose(self, lane_index: int, batch: list[tuple[Sequence, int]]) -> None:
         """Sets ``seq.spec_tokens`` (at most its budget) and ``seq.spec_probs`` for each
@@ -94,7 +100,9 @@ class Speculator:
             return 0
         if seq.num_output_tokens < p.min_new_tokens:
             return 0
-        return max(0, min(seq.spec_limit or self.num_tokens, p.max_new_tokens - seq.num_output_tokens - 1))
+        adapted = running > 1 or not self.proposer.free
+        limit = (seq.spec_limit or self.num_tokens) if adapted else self.num_tokens
+        return max(0, min(limit, p.max_new_tokens - seq.num_output_tokens - 1))
 
     def propose(self, lane_index: int, batch: list[tuple[Sequence, int]]) -> None:
         if batch:
