@@ -35,6 +35,19 @@ def test_float32_kernel_matches_linear(k, m, n, kdim):
     check_float32_kernel(k, m, n, kdim)
 
 
+def test_float32_kernels_name_a_bad_argument(k):
+    x, w = torch.randn(60, 8), torch.randn(5, 8)
+    for gemm, name in ((k.gemm_f32, "gemm_f32"), (k.gemm_f32_packed, "gemm_f32_packed")):
+        with pytest.raises(RuntimeError, match=f"{name} x: expected a contiguous 2-d CPU tensor of Float"):
+            gemm(x.double(), w, None)
+        with pytest.raises(RuntimeError, match=f"{name} weight: expected a contiguous 2-d CPU tensor of Float"):
+            gemm(x, w.t(), None)
+        with pytest.raises(RuntimeError, match=f"{name}: x has 7 columns, the weight 8"):
+            gemm(x[:, :7].contiguous(), w, None)
+        with pytest.raises(RuntimeError, match=f"{name}: bias must be 5 contiguous floats"):
+            gemm(x, w, torch.randn(4))
+
+
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_gemm_kernels_of_the_portable_builds_are_exact(march):
     """The kernels built for an AVX2-only CPU and for plain x86-64 (the tests above check

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace ks {
@@ -159,22 +160,12 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
     }                                                                                \
   }
 
-static void check_2d(const at::Tensor& t, const char* what, at::ScalarType type) {
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == type && t.device().is_cpu(), what,
-              ": expected a contiguous 2-d CPU tensor of ", c10::toString(type));
-}
-
 at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   check_2d(x, "gemm_f32 x", at::kFloat);
   check_2d(w, "gemm_f32 weight", at::kFloat);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "gemm_f32: x has ", K, " columns, the weight ", w.size(1));
-  const float* b = nullptr;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
-                "gemm_f32: bias must be ", N, " contiguous floats");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_ptr(bias, N, "gemm_f32");
   auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -488,13 +479,6 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
 #undef KS_CALL
   });
   return y;
-}
-
-static const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, const char* what) {
-  if (!bias || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, what,
-              ": bias must be ", N, " contiguous floats");
-  return bias->data_ptr<float>();
 }
 
 static void check_groups(int64_t K, int64_t G, int64_t groups, const char* what) {

@@ -121,18 +121,11 @@ void rows_of_tile(const float* x, int64_t K, const float* tile, float* y, int64_
 }  // namespace
 
 at::Tensor gemm_f32_packed(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "gemm_f32_packed x: expected a contiguous 2-d CPU tensor of float32");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "gemm_f32_packed weight: expected a contiguous 2-d CPU tensor of float32");
+  check_2d(x, "gemm_f32_packed x", at::kFloat);
+  check_2d(w, "gemm_f32_packed weight", at::kFloat);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "gemm_f32_packed: x has ", K, " columns, the weight ", w.size(1));
-  const float* b = nullptr;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
-                "gemm_f32_packed: bias must be ", N, " contiguous floats");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_ptr(bias, N, "gemm_f32_packed");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return b ? bias->unsqueeze(0).expand({M, N}).contiguous() : y.zero_();
