@@ -29,7 +29,7 @@ import numpy as np
 
 from bench.common import isa_results, load_average_lines, machine, md_table, rerender, write_results
 from bench.speculative_bench import COPY_HEAVY, FREE_CHAT, chat_ids
-from kubeshard_shard.engine.ngram import NgramProposer, lookup
+from kubeshard_shard.engine.ngram import NgramProposer, latest_match, lookup
 from kubeshard_shard.engine.request import make_sampling_params
 from kubeshard_shard.engine.sequence import Sequence
 from kubeshard_shard.engine.speculative import Speculator
@@ -121,13 +121,11 @@ def acceptance_by_match(prompts, answers_, k: int) -> dict[str, list[float]]:
     for ids, answer in zip(prompts, answers_):
         for pos in range(1, len(answer)):
             tokens = np.asarray(ids + answer[:pos], dtype=np.int64)
-            ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-            ends = [int(e) for e in ends if e + 1 < len(tokens)]
-            if not ends:
+            found = latest_match(tokens, MIN_N, MAX_N)  # the match the lookup proposes from
+            if found is None:
                 continue
-            # the lookup's choice: the longest suffix (up to MAX_N), the most recent
-            end = max(ends, key=lambda e: (min(match_length(tokens, e), MAX_N), e))
-            length = match_length(tokens, end)
+            end = found[1]
+            length = match_length(tokens, end)  # extended past MAX_N
             bucket = next(b for b in MATCH_BUCKETS if b[0] <= length <= b[1])
             follow = tokens[end + 1:end + 1 + k].tolist()
             kept = 0

@@ -29,32 +29,34 @@ SHORT_MATCH = 3
 SHORT_MATCH_TOKENS = 2
 
 
-def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-    suffix of ``tokens`` (``min_n`` to ``max_n`` tokens long); [] when none occurs. A
-    match shorter than ``SHORT_MATCH`` tokens (and than ``max_n``: the longest looked
-    for counts as long) proposes at most ``SHORT_MATCH_TOKENS``."""
+def latest_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int] | None:
+    """(n, end): the longest suffix of ``tokens`` (``min_n`` to ``max_n`` tokens long) that
+    occurred earlier, and where its latest earlier occurrence ends; None when none did."""
     total = len(tokens)
-    if k < 1 or total < min_n + 1:
-        return []
-    last = tokens[-1]
+    if total < min_n + 1:
+        return None
     # candidate ends of an earlier occurrence: positions before the last holding its token
-    ends = np.flatnonzero(tokens[:-1] == last)
-    if ends.size == 0:
-        return []
-    long_from = min(SHORT_MATCH, max_n)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         suffix = tokens[total - n:]
-        take = k if n >= long_from else min(k, SHORT_MATCH_TOKENS)
         for end in ends[::-1]:  # the most recent match first
             start = end - n + 1
-            if start < 0:
-                continue
-            if np.array_equal(tokens[start:end + 1], suffix):
-                follow = tokens[end + 1:end + 1 + take]
-                if follow.size:
-                    return follow.tolist()
-    return []
+            if start >= 0 and np.array_equal(tokens[start:end + 1], suffix):
+                return n, int(end)
+    return None
+
+
+def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``tokens`` (``latest_match``); [] when none occurs. A match shorter than
+    ``SHORT_MATCH`` tokens (and than ``max_n``: the longest looked for counts as long)
+    proposes at most ``SHORT_MATCH_TOKENS``."""
+    found = latest_match(tokens, min_n, max_n) if k >= 1 else None
+    if found is None:
+        return []
+    n, end = found  # end < len(tokens) - 1: at least one token follows it
+    take = k if n >= min(SHORT_MATCH, max_n) else min(k, SHORT_MATCH_TOKENS)
+    return tokens[end + 1:end + 1 + take].tolist()
 
 
 class NgramProposer:
