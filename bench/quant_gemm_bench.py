@@ -11,6 +11,10 @@ int4`` keeps it int8). *bound*: the pass's weight bytes ÷ this machine's copy b
 without AVX-512).
 
     python -m bench.quant_gemm_bench [--models default,small] [--rows 1,2,4,8] [--reps 9] [--against REF]
+                                     [--march native|x86-64-v3]
+
+``--march x86-64-v3`` builds both for an AVX2 CPU (no AVX-512, no VNNI): the AVX2 kernels
+measured on a machine that has more (``quant-kernels-x86-64-v3.md``).
 """
 
 from __future__ import annotations
@@ -62,21 +66,23 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--against", help="also time the kernels as they were at this git revision")
+    parser.add_argument("--march", default="native", help="the instruction set to build for (x86-64-v3: AVX2)")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
-    results_name = isa_results("quant-kernels")
+    results_name = isa_results("quant-kernels") if args.march == "native" else f"quant-kernels-{args.march}"
     if args.render:
         rerender(results_name, render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    builds, args.against = kernel_builds(args.against)
+    builds, args.against = kernel_builds(args.against, args.march)
     paths = {name: gemm_of(module) for name, module in builds.items()}
     rows = [int(r) for r in args.rows.split(",")]
     bandwidth = copy_bandwidth()
     results = {"machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9, "reps": args.reps, "models": {},
                "command": f"python -m bench.quant_gemm_bench --models {args.models} --rows {args.rows} "
-                          f"--reps {args.reps}" + (f" --against {args.against}" if args.against else ""),
-               "against": args.against, "load_average_1m": {"before": os.getloadavg()[0]}}
+                          f"--reps {args.reps}" + (f" --against {args.against}" if args.against else "")
+                          + (f" --march {args.march}" if args.march != "native" else ""),
+               "against": args.against, "march": args.march, "load_average_1m": {"before": os.getloadavg()[0]}}
     for name in args.models.split(","):
         model_dir = local_checkpoint(default_model_file()) if name == "default" else demo_model(size=name)
         layers, _ = model_weights(model_dir)
@@ -97,7 +103,8 @@ def render(r: dict) -> str:
     m, against = r["machine"], r.get("against")
     lines = ["# The integer GEMMs against the memory bound (CPU)", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}. "
-             f"Copy bandwidth: {r['copy_bandwidth_gb_s']:.1f} GB/s.", "",
+             f"Copy bandwidth: {r['copy_bandwidth_gb_s']:.1f} GB/s."
+             + (f" Kernels built with `-march={r['march']}`." if r.get("march", "native") != "native" else ""), "",
              "One pass over every linear layer of the model but the LM head, quantized (int8: a scale a row; "
              f"int4: groups of {INT4_GROUP}), in layer order; median of the runs, the paths interleaved. "
              "*× bound*: the pass's time over its weight bytes ÷ copy bandwidth."

@@ -11,15 +11,19 @@ import torch.nn.functional as F
 
 from kubeshard_shard.models import quant
 
-SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64)]  # (rows of x, N, K)
+# (rows of x, N, K); K = 1024: whole sweeps of eight 32-value blocks and no remainder, the
+# integer kernels' groups of 4 and 8 blocks (128, 256)
+SHAPES = [(1, 64, 96), (3, 577, 192), (5, 130, 576), (16, 96, 576), (33, 70, 64), (2, 40, 1024)]
 # K not a multiple of a vector (the tail of each row); 4 and 6 rows: the AVX2 kernel's
 # sweeps over three and two W rows at a time; many rows (the packed kernel's six-row
 # steps and a remainder; N not a multiple of its 16-column tiles); K = 1
 F32_SHAPES = SHAPES + [(7, 50, 100), (4, 40, 200), (6, 37, 576), (53, 37, 100), (100, 64, 576), (13, 17, 1)]
 # group 96 (three blocks): the kernels' path for groups that are not a power of two blocks
-INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 96, 0) if not group or kdim % group == 0]
+INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64, 96, 128, 256, 0)
+               if not group or kdim % group == 0]
 INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES
-               for group, symmetric in ((32, False), (32, True), (64, False)) if kdim % group == 0]
+               for group, symmetric in ((32, False), (32, True), (64, False), (128, False), (256, True))
+               if kdim % group == 0]
 
 
 def quantize_x(x: torch.Tensor):
