@@ -90,6 +90,7 @@ class LoadPublisher:
     up: bool = field(default=True, init=False)  # the last write reached Redis
     client: aioredis.Redis = field(init=False, repr=False)
     _task: asyncio.Task | None = field(default=None, init=False, repr=False)
+    _published: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)  # (model, revision)
 
     def __post_init__(self) -> None:
         self.client = aioredis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
@@ -101,10 +102,17 @@ class LoadPublisher:
 
     async def publish_once(self) -> None:
         loads = list(self.snapshot())
-        if not loads:
+        # A model (or revision) this router no longer serves: its entry goes now, not at
+        # expiry. When an InferenceService is deleted the operator removes the model's keys,
+        # but a publish between that and this router noticing the deletion writes them again.
+        gone = self._published - {(load.model, load.revision) for load in loads}
+        if not loads and not gone:
             return
         expires = time.time() + self.ttl_s
         pipe = self.client.pipeline(transaction=False)
+        for model, revision in gone:
+            pipe.delete(load_key(model, revision, self.router_id))
+            pipe.zrem(index_key(model), f"{revision}|{self.router_id}")
         for load in loads:
             key = load_key(load.model, load.revision, self.router_id)
             pipe.hset(key, mapping=load.fields())
@@ -115,6 +123,7 @@ class LoadPublisher:
             pipe.expire(index, self.ttl_s)
         async with asyncio.timeout(self.timeout_s * 2):
             await pipe.execute()
+        self._published = {(load.model, load.revision) for load in loads}
 
     async def _run(self) -> None:
         while True:

@@ -200,3 +200,35 @@ def test_the_readmes_prometheus_adapter_rules_serve_the_four_metrics_from_live_g
         used = set(re.findall(r"kubeshard_router_\w+", rule["seriesQuery"] + rule["metricsQuery"]))
         assert used and used <= live, (rule["name"], used - live)
         assert rule["resources"]["overrides"]["model"] == {"group": "kubeshard.io", "resource": "inferenceservice"}
+
+
+def test_a_model_the_router_no_longer_serves_leaves_redis_at_the_next_publish(redis_url):
+    """The operator deletes a deleted model's keys; a router that published once more before
+    noticing takes its entry out itself (not 15 s later at expiry), and a revision it moved
+    off goes the same way."""
+    import asyncio
+
+    from kubeshard_router.counters import LoadPublisher, ModelLoad
+
+    serving = [ModelLoad("gone-soon", "r1", in_flight=1), ModelLoad("stays", "r1")]
+    r = redis.Redis.from_url(redis_url)
+
+    async def run() -> None:
+        publisher = LoadPublisher(redis_url, "router-b", lambda: list(serving), interval_s=1.0, ttl_s=30)
+        try:
+            await publisher.publish_once()
+            assert r.exists("kubeshard:gone-soon:r1:load:router-b", "kubeshard:stays:r1:load:router-b") == 2
+            assert r.zrange("kubeshard:gone-soon:routers", 0, -1) == [b"r1|router-b"]
+            serving[:] = [ModelLoad("stays", "r2")]
+            await publisher.publish_once()
+            assert not r.exists("kubeshard:gone-soon:r1:load:router-b")
+            assert r.zcard("kubeshard:gone-soon:routers") == 0
+            assert not r.exists("kubeshard:stays:r1:load:router-b") and r.exists("kubeshard:stays:r2:load:router-b")
+            assert r.zrange("kubeshard:stays:routers", 0, -1) == [b"r2|router-b"]
+            serving.clear()  # nothing served at all: the last entries go too
+            await publisher.publish_once()
+            assert r.keys("kubeshard:stays:*") == [] and r.keys("kubeshard:gone-soon:*") == []
+        finally:
+            await publisher.close()
+
+    asyncio.run(run())
