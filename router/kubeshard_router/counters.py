@@ -105,7 +105,8 @@ class LoadPublisher:
         # A model (or revision) this router no longer serves: its entry goes now, not at
         # expiry. When an InferenceService is deleted the operator removes the model's keys,
         # but a publish between that and this router noticing the deletion writes them again.
-        gone = self._published - {(load.model, load.revision) for load in loads}
+        serving = {(load.model, load.revision) for load in loads}
+        gone = self._published - serving
         if not loads and not gone:
             return
         expires = time.time() + self.ttl_s
@@ -123,7 +124,7 @@ class LoadPublisher:
             pipe.expire(index, self.ttl_s)
         async with asyncio.timeout(self.timeout_s * 2):
             await pipe.execute()
-        self._published = {(load.model, load.revision) for load in loads}
+        self._published = serving
 
     async def _run(self) -> None:
         while True:

@@ -467,6 +467,14 @@ static inline __m256 block_scales(const uint16_t* scales, int64_t b0, int shift)
 // (g + 1) << shift) has its own.
 constexpr int64_t kRowAhead = 2048;  // bytes of W asked for ahead of the block read
 
+// Block b of a W row widened to two vectors of 16 int16, asking for W kRowAhead bytes on.
+template <typename Rows>
+static inline void read_block(const Rows& rows, int64_t b, __m256i& wa, __m256i& wb) {
+  const auto* p = rows.block(0, b);
+  if ((b & Rows::kPrefetchMask) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kRowAhead, _MM_HINT_T0);
+  Rows::load(p, wa, wb);
+}
+
 // Eight blocks of one W row, from block b0 (a multiple of 8), into acc. Each block's dot
 // (eight int32 lanes) is summed horizontally as it comes, in pairs (hadd), so that a row
 // of x holds three vectors at most and four rows fit the registers; the totals are exact
@@ -477,13 +485,13 @@ static inline void quant_chunk(const int16_t* xq, const float* dx, int64_t K, in
   // per row of x: the last odd block's dot, the last pair's sum, and blocks 0-3 summed
   // (per 128-bit half: [b0 b1 b2 b3] partial totals)
   __m256i odd[MR], pair[MR], quad[MR];
+  // the eight blocks' W scales, the same for every row of x
+  const __m256 ws = kOneGroup ? _mm256_set1_ps(1.f) : block_scales(rows.scales, b0, shift);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
     const int64_t b = b0 + i;
-    const auto* p = rows.block(0, b);
-    if ((b & Rows::kPrefetchMask) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kRowAhead, _MM_HINT_T0);
     __m256i wa, wb;
-    Rows::load(p, wa, wb);
+    read_block(rows, b, wa, wb);
     for (int m = 0; m < MR; ++m) {
       const __m256i dot = dot32(wa, wb, xq + m * K + b * 32);
       if (i % 2 == 0) {
@@ -503,8 +511,7 @@ static inline void quant_chunk(const int16_t* xq, const float* dx, int64_t K, in
       // blocks 0-3 and 4-7, each half a partial total: add the halves
       const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(quad[m], sum4, 0x20),
                                              _mm256_permute2x128_si256(quad[m], sum4, 0x31));
-      const __m256 d = _mm256_loadu_ps(dx + m * nb + b0);
-      const __m256 scale = kOneGroup ? d : _mm256_mul_ps(d, block_scales(rows.scales, b0, shift));
+      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(dx + m * nb + b0), ws);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[m]);
     }
   }
@@ -525,9 +532,7 @@ static void quant_row(const QuantX& qx, int64_t m0, int64_t K, const Rows& rows,
   // multiply-adds do not wait on each other (which one depends on the block alone)
   auto add_block = [&](int64_t b, __m256 (&into)[MR]) {
     __m256i wa, wb;
-    const auto* p = rows.block(0, b);
-    if ((b & Rows::kPrefetchMask) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kRowAhead, _MM_HINT_T0);
-    Rows::load(p, wa, wb);
+    read_block(rows, b, wa, wb);
     const float ws = kOneGroup ? 1.f : rows.scale(0, b >> shift);
     for (int m = 0; m < MR; ++m) {
       const __m256i dot = dot32(wa, wb, xq + m * K + b * 32);
