@@ -6,13 +6,15 @@
    token ÷ this machine's copy bandwidth (a decode step must read every weight once),
    measured beside each prompt's decode: the bandwidth a shared machine gives moves by a
    quarter within minutes, and a bound taken once at the start would move every ratio
-   with it. Resident memory of the process after loading each one, greedy agreement
-   with float32 (the first differing token of each answer), and the same decode with
-   the fused decode step off, side by side.
+   with it. Every method's engine is loaded at once and the prompts decoded in rounds,
+   the methods in turn (``--rounds``; medians over them), so that a drift over minutes
+   moves every method alike. Resident memory of the process after loading each one,
+   greedy agreement with float32 (the first differing token of each answer), and the
+   same decode with the fused decode step off, side by side.
 2. KV pools: tokens that fit in the same memory, decode time at batch 16 over a long
    context, and greedy agreement, for float32, bfloat16 and int8 pools.
 
-    python -m bench.quantization_bench [--tokens 64] [--models default,small]
+    python -m bench.quantization_bench [--tokens 64] [--models default,small] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -96,42 +98,54 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def weights_section(name: str, model_dir, methods: list[str], tokens: int) -> dict:
-    rows = {}
-    reference = None
+def weights_section(name: str, model_dir, methods: list[str], tokens: int, rounds: int) -> dict:
+    """Every method's engine loaded at once, then ``rounds`` rounds of the prompts' decodes
+    (each method in turn within a round), so that the machine's drift over minutes moves
+    every method alike: a row's figures are medians over the rounds, its ratio to the
+    bound the median of the rounds' ratios."""
+    served, rss = {}, {}
+    prompts = [prompt_ids(model_dir, t) for t in PROMPTS]
     for method in methods:
         gc.collect()
         rss_before = psutil.Process().memory_info().rss
-        served = engine(model_dir, quantize=method)
-        rss = psutil.Process().memory_info().rss - rss_before
-        prompts = [prompt_ids(model_dir, t) for t in PROMPTS]
-        decode_run(served, prompts[:1], 8)  # warm-up
-        per_token, modules, bandwidths = [], [], []
-        answers = []
-        runner = served.engine.runner
-        fused = runner.fused
-        for p in prompts:
-            bandwidths.append(copy_bandwidth(256 << 20, reps=3))  # the bound of this moment
-            a, steps = decode_run(served, [p], tokens)
-            answers.append(a[0])
-            per_token.append(statistics.median(steps))
-            if fused is not None:  # the same answer through the modules, side by side
-                runner.fused = None
-                modules.append(statistics.median(decode_run(served, [p], tokens)[1]))
-                runner.fused = fused
-        wb = weight_bytes(served.engine.runner.model)
-        ms = statistics.median(per_token) * 1000
-        bandwidth = statistics.median(bandwidths)
-        if reference is None:
-            reference = answers
-        agreement = [first_difference(r, a) for r, a in zip(reference, answers)]
-        rows[method] = {"decode_ms_per_token": ms, "weight_bytes": wb, "bound_ms": wb / bandwidth * 1000,
-                        "modules_ms_per_token": statistics.median(modules) * 1000 if modules else None,
-                        "over_bound": ms / (wb / bandwidth * 1000), "copy_bandwidth_gb_s": bandwidth / 1e9,
-                        "rss_delta_bytes": rss,
-                        "first_differing_token": agreement}
-        print(name, method, rows[method], flush=True)
-        del served
+        served[method] = engine(model_dir, quantize=method)
+        rss[method] = psutil.Process().memory_info().rss - rss_before
+        decode_run(served[method], prompts[:1], 8)  # warm-up
+    samples: dict[str, list[dict]] = {method: [] for method in methods}
+    answers: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        for method in methods:
+            per_token, modules, bandwidths, mine = [], [], [], []
+            runner = served[method].engine.runner
+            fused = runner.fused
+            for p in prompts:
+                bandwidths.append(copy_bandwidth(256 << 20, reps=3))  # the bound of this moment
+                a, steps = decode_run(served[method], [p], tokens)
+                mine.append(a[0])
+                per_token.append(statistics.median(steps))
+                if fused is not None:  # the same answer through the modules, side by side
+                    runner.fused = None
+                    modules.append(statistics.median(decode_run(served[method], [p], tokens)[1]))
+                    runner.fused = fused
+            if answers.setdefault(method, mine) != mine:  # greedy: every round the same tokens
+                raise RuntimeError(f"{name} {method}: a round's greedy answers differ from the first round's")
+            wb = weight_bytes(runner.model)
+            ms, bandwidth = statistics.median(per_token) * 1000, statistics.median(bandwidths)
+            samples[method].append({"decode_ms_per_token": ms, "weight_bytes": wb,
+                                    "bound_ms": wb / bandwidth * 1000, "over_bound": ms / (wb / bandwidth * 1000),
+                                    "modules_ms_per_token": statistics.median(modules) * 1000 if modules else None,
+                                    "copy_bandwidth_gb_s": bandwidth / 1e9})
+            print(name, method, samples[method][-1], flush=True)
+    rows = {}
+    reference = answers[methods[0]]
+    for method in methods:
+        runs = samples[method]
+        row = {k: statistics.median(run[k] for run in runs) if runs[0][k] is not None else None for k in runs[0]}
+        row["weight_bytes"] = runs[0]["weight_bytes"]
+        row.update(rss_delta_bytes=rss[method], rounds=runs,
+                   first_differing_token=[first_difference(r, a) for r, a in zip(reference, answers[method])])
+        rows[method] = row
+    served.clear()
     return rows
 
 
@@ -170,8 +184,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--models", default="default,small")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="decode rounds over every method, interleaved (figures are medians over them)")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     results_name = isa_results("quantization")
     if args.render:
         rerender(results_name, render)
@@ -179,14 +197,16 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth()
     results = {"machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9, "tokens": args.tokens, "models": {},
-               "command": f"python -m bench.quantization_bench --tokens {args.tokens} --models {args.models}",
+               "rounds": args.rounds,
+               "command": f"python -m bench.quantization_bench --tokens {args.tokens} --models {args.models} "
+                          f"--rounds {args.rounds}",
                "load_average_1m": {"before": os.getloadavg()[0]}}
     for name in args.models.split(","):
         if name == "default":
             model_dir, methods = local_checkpoint(default_model_file()), ["none", "int8", "int4", "gguf"]
         else:
             model_dir, methods = demo_model(size=name), ["none", "int8", "int4"]
-        results["models"][name] = {"weights": weights_section(name, model_dir, methods, args.tokens)}
+        results["models"][name] = {"weights": weights_section(name, model_dir, methods, args.tokens, args.rounds)}
         write_results(results_name, results, render(results))
     results["kv"] = kv_section(local_checkpoint(default_model_file()) if "default" in args.models
                                else demo_model(size="small"), 32, 1000)
@@ -208,18 +228,26 @@ def render(r: dict) -> str:
              f"{bound}. *first differing token*: where each answer departs from float32's (— : never, "
              "within the tokens generated). *modules*: the same decode with the fused decode step off "
              "(every layer through its Python modules), each prompt right after its fused run.", ""]
+    if r.get("rounds", 1) > 1:
+        lines += [f"Every engine loaded at once and the prompts decoded in {r['rounds']} rounds, the methods in turn "
+                  "within each: a row's figures are the medians over the rounds (*× bound*: the median of the "
+                  "rounds' ratios; *range*: the lowest and highest of them).", ""]
     for name, section in r["models"].items():
         lines += [f"## {name} model", "",
-                  "| weights | decode ms/token | weight bytes | copy GB/s | bound ms | × bound | modules ms/token "
-                  "| RSS after load | first differing token |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| weights | decode ms/token | weight bytes | copy GB/s | bound ms | × bound (range) "
+                  "| modules ms/token | RSS after load | first differing token |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for method, row in section["weights"].items():
             copy = row.get("copy_bandwidth_gb_s", r["copy_bandwidth_gb_s"])
             diff = ", ".join("—" if d is None else str(d) for d in row["first_differing_token"])
             modules = row.get("modules_ms_per_token")
             modules = "—" if modules is None else f"{modules:.2f} ({modules / row['decode_ms_per_token']:.2f}×)"
+            spread = ""
+            if len(row.get("rounds", [])) > 1:
+                ratios = [run["over_bound"] for run in row["rounds"]]
+                spread = f" ({min(ratios):.2f}–{max(ratios):.2f})"
             lines.append(f"| {'float32' if method == 'none' else method} | {row['decode_ms_per_token']:.2f} | "
                          f"{row['weight_bytes'] / 2**20:.1f} MiB | {copy:.1f} | {row['bound_ms']:.2f} | "
-                         f"{row['over_bound']:.2f} | "
+                         f"{row['over_bound']:.2f}{spread} | "
                          f"{modules} | {row['rss_delta_bytes'] / 2**20:.0f} MiB | {diff} |")
         lines.append("")
     if "kv" in r:

@@ -146,7 +146,10 @@ def start_config(name: str, model, prompts: dict[str, list[list[int]]]):
     # it, a server's later rounds would find their prompts cached and time only decoding)
     shard = start_shard(model, "--kv-cache-memory", "1GiB", "--max-total-tokens", "2048", "--no-prefix-caching",
                         *flags, metrics=True, timeout=900)
-    generate(shard.stub(), prompts["free chat"][0], 16)  # warm-up: first touches of the pool and kernels
+    # warm-up: first touches of the pool and kernels, and of every verification shape a
+    # workload brings (a round's first copy-heavy run was a third slower without it)
+    for ids in prompts.values():
+        generate(shard.stub(), ids[0], 32)
     return shard, " ".join(flags)
 
 
