@@ -55,7 +55,8 @@ def exact_q4(x, packed, scales, mins, group):
     wm = mins.double().repeat_interleave(group // 32, dim=1)
     xs = x.double().reshape(x.shape[0], nb, 32).sum(-1)
     qsum = q.sum(-1) * d
-    return (dots * d[:, None, :] * ws[None] + wm[None] * xs[:, None, :] + 8 * ws[None] * (xs - qsum)[:, None, :]).sum(-1)
+    return (dots * d[:, None, :] * ws[None] + wm[None] * xs[:, None, :]
+            + 8 * ws[None] * (xs - qsum)[:, None, :]).sum(-1)
 
 
 def check_float32_kernel(built, m: int, n: int, kdim: int) -> None:
