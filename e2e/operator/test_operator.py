@@ -92,8 +92,12 @@ def test_only_one_operator_replica_acts(cluster, kubeshard):
     ({"resources": {"memory": "-1Gi"}}, "spec.resources.memory must be a non-negative quantity"),
     ({"resources": {"cpu": -2}}, "spec.resources.cpu must be a non-negative quantity"),
     ({"resources": {"gpu": -1}}, "spec.resources.gpu must not be negative"),
+    ({"cache": {"activations": {"urlSecretRef": {"key": "url"}}}},
+     "spec.cache.activations.urlSecretRef.name: Required value"),
+    ({"cache": {"activations": {"urlSecretRef": {"name": "Team_Redis"}}}},
+     "spec.cache.activations.urlSecretRef.name in body should match"),
 ], ids=["shards-0", "min-over-max", "unknown-strategy", "no-model", "negative-memory",
-        "negative-cpu", "negative-gpu"])
+        "negative-cpu", "negative-gpu", "url-secret-without-name", "url-secret-bad-name"])
 def test_bad_specs_are_refused_with_a_clear_message(cluster, kubeshard, namespace, spec,
                                                     message, tmp_path):
     body = inference_service("bad", namespace, tmp_path)

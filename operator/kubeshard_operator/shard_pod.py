@@ -163,16 +163,28 @@ def cpu_threads(spec: InferenceServiceSpec) -> Optional[int]:
 
 
 def shard_redis_url(url: Optional[str]) -> Optional[str]:
-    """The Redis URL shard pods get for the activation cache: the operator's, unless it
+    """The operator's Redis URL as shard pods may get it in their spec: not when it
     carries a password (pods in the model's namespace must not hold the secret in their
-    spec; an external Redis with a password leaves the activation cache off)."""
+    spec; spec.cache.activations.urlSecretRef gives them one from a Secret instead)."""
     if not url or re.match(r"^[a-z]+://[^/@]*:[^/@]*@", url):
         return None
     return url
 
 
+def shard_redis_env(spec: InferenceServiceSpec, operator_url: Optional[str]) -> Optional[dict[str, Any]]:
+    """KUBESHARD_REDIS_URL of the shard container (the activation cache's Redis): from the
+    Secret key spec.cache.activations.urlSecretRef names (the kubelet reads it; the URL
+    and its password stay out of the pod spec and the operator's reach), else the
+    operator's URL when it has no password, else none (the cache stays off)."""
+    ref = spec.activations.url_secret
+    if ref is not None:
+        return {"name": "KUBESHARD_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    url = shard_redis_url(operator_url)
+    return {"name": "KUBESHARD_REDIS_URL", "value": url} if url else None
+
+
 def shard_env(spec: InferenceServiceSpec, index: int,
-              cache_dir: Optional[str] = None, redis_url: Optional[str] = None) -> list[dict[str, Any]]:
+              cache_dir: Optional[str] = None, redis: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     ours: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE",
@@ -187,8 +199,8 @@ def shard_env(spec: InferenceServiceSpec, index: int,
         # there instead of made again in every new pod. (The CPU kernels come prebuilt in
         # the shard image: KUBESHARD_PREBUILT_KERNELS.)
         ours.append({"name": "KUBESHARD_CACHE", "value": cache_dir})
-    if redis_url:
-        ours.append({"name": "KUBESHARD_REDIS_URL", "value": redis_url})
+    if redis:
+        ours.append(redis)
     # The user's variables win over ours, and a list with one entry per name keeps
     # server-side apply happy (env is a map keyed by name).
     user = {v["name"]: dict(v) for v in spec.pod.env}
@@ -302,7 +314,7 @@ def pod_template(spec: InferenceServiceSpec, cfg: OperatorConfig, index: int) ->
         "image": image,
         "imagePullPolicy": pull,
         "args": shard_args(spec, n.group_name(spec.name, index)),
-        "env": shard_env(spec, index, cfg.shard_cache_dir, shard_redis_url(cfg.redis_url)),
+        "env": shard_env(spec, index, cfg.shard_cache_dir, shard_redis_env(spec, cfg.redis_url)),
         "ports": [
             {"name": "grpc", "containerPort": n.GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},

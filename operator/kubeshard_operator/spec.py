@@ -99,11 +99,29 @@ _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 @dataclass(frozen=True)
 class SecretKeyRef:
-    """spec.model.tokenSecretRef: the key of a Secret in the service's namespace that holds
-    the hub token, given to the download init container as HF_TOKEN (hf:// sources)."""
+    """A key of a Secret in the service's namespace, given to a container as a variable
+    (valueFrom.secretKeyRef): spec.model.tokenSecretRef (the hub token, HF_TOKEN of the
+    download init container) and spec.cache.activations.urlSecretRef (a Redis URL with
+    its password, KUBESHARD_REDIS_URL of the shards)."""
 
     name: str
     key: str
+
+
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _secret_ref(ref: Any, where: str, default_key: str) -> Optional[SecretKeyRef]:
+    if ref is None:
+        return None
+    if not isinstance(ref, Mapping) or not ref.get("name"):
+        raise SpecError(f"{where}.name is required")
+    name, key = str(ref["name"]), str(ref.get("key") or default_key)
+    if not _DNS1123_SUBDOMAIN.fullmatch(name) or len(name) > 253:
+        raise SpecError(f"{where}.name {name!r} is not a Secret name (lowercase letters, digits, '-' and '.')")
+    if not _SECRET_KEY.fullmatch(key) or len(key) > 253:
+        raise SpecError(f"{where}.key {key!r} is not a Secret key (letters, digits, '-', '_' and '.')")
+    return SecretKeyRef(name=name, key=key)
 
 
 @dataclass(frozen=True)
@@ -230,12 +248,14 @@ class Runtime:
 @dataclass(frozen=True)
 class ActivationCache:
     """spec.cache.activations: the KV blocks of popular prompt prefixes shared through
-    Redis between the model's replicas (on whenever the operator knows a Redis)."""
+    Redis between the model's replicas (on whenever the operator knows a Redis without a
+    password in its URL, or ``url_secret`` names a Secret's key holding a Redis URL)."""
 
     enabled: bool = True
     min_hits: int = 2           # prompts that must hold a block before it is written
     ttl_seconds: int = 3600
     max_bytes: int = 512 * 1024**2  # Redis bytes for this model's entries: half the chart's Redis
+    url_secret: Optional[SecretKeyRef] = None
 
 
 @dataclass(frozen=True)
@@ -297,7 +317,8 @@ def _activations(a: Mapping[str, Any]) -> ActivationCache:
     return ActivationCache(enabled=bool(a.get("enabled", True)),
                            min_hits=_int(a, "minHits", f"{where}.minHits", default=2, minimum=1),
                            ttl_seconds=_int(a, "ttlSeconds", f"{where}.ttlSeconds", default=3600, minimum=1),
-                           max_bytes=size)
+                           max_bytes=size, url_secret=_secret_ref(a.get("urlSecretRef"), f"{where}.urlSecretRef",
+                                                                  "url"))
 
 
 def _runtime(r: Mapping[str, Any]) -> Runtime:
@@ -394,14 +415,9 @@ def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
     if quantize == "gguf" and not source.is_gguf:
         raise SpecError("spec.model.quantize gguf keeps a GGUF file's quantized weights: spec.model.source must "
                         "be a .gguf file (int8 or int4 quantize a folder's weights at load)")
-    token = m.get("tokenSecretRef")
-    token_ref = None
-    if token is not None:
-        if not isinstance(token, Mapping) or not token.get("name"):
-            raise SpecError("spec.model.tokenSecretRef.name is required")
-        token_ref = SecretKeyRef(name=str(token["name"]), key=str(token.get("key") or "token"))
     return ModelSpec(source=source, name=name, revision=revision or source.revision or "main",
-                     dtype=dtype, token_secret=token_ref, adapters=_adapters(m.get("adapters"), name),
+                     dtype=dtype, token_secret=_secret_ref(m.get("tokenSecretRef"), "spec.model.tokenSecretRef",
+                                                           "token"), adapters=_adapters(m.get("adapters"), name),
                      quantize=quantize, quantize_group_size=group)
 
 

@@ -89,7 +89,10 @@ class ActivationCacheConfig:
         if not 0 < self.timeout_s <= 60:
             raise ValueError(f"--activation-cache-timeout must be in (0, 60] seconds, got {self.timeout_s}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got '{self.redis_url}'")
+            from kubeshard_shard.activations.store import redact  # the URL may hold a password
+
+            raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got "
+                             f"'{redact(self.redis_url)}'")
         if self.key_model is not None and (not self.key_model or any(c in self.key_model for c in "{}*?[]: ")):
             raise ValueError(f"--redis-key-model must be a plain name (no braces, glob characters, colons or "
                              f"spaces), got '{self.key_model}'")

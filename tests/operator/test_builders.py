@@ -244,3 +244,26 @@ def test_shards_get_the_activation_cache_settings_and_redis():
     assert shard_redis_url("redis://:secret@redis:6379/0") is None
     assert shard_redis_url("rediss://user:pw@redis:6380") is None
     assert shard_redis_url("redis://redis:6379/0") == "redis://redis:6379/0"
+
+
+def test_a_redis_url_secret_reaches_the_shards_as_a_reference_only():
+    """spec.cache.activations.urlSecretRef: the kubelet reads the URL (and its password)
+    from the Secret; the pod spec holds the reference, whatever the operator's Redis."""
+    from dataclasses import replace
+
+    from kubeshard_operator import engine_pod
+
+    ref = {"cache": {"activations": {"urlSecretRef": {"name": "team-redis"}}}}
+    for operator_url in (None, "redis://kubeshard-redis:6379/0", "redis://:secret@redis:6379/0"):
+        cfg = replace(CFG, redis_url=operator_url)
+        env = [e for e in container(b.build_statefulset(make_spec(**ref), cfg, 0))["env"]
+               if e["name"] == "KUBESHARD_REDIS_URL"]
+        assert env == [{"name": "KUBESHARD_REDIS_URL",
+                        "valueFrom": {"secretKeyRef": {"name": "team-redis", "key": "url"}}}]
+    keyed = make_spec(cache={"activations": {"urlSecretRef": {"name": "team-redis", "key": "activations"}}})
+    env = {e["name"]: e for e in container(b.build_statefulset(keyed, CFG, 0))["env"]}
+    assert env["KUBESHARD_REDIS_URL"]["valueFrom"]["secretKeyRef"]["key"] == "activations"
+    # a peer engine has no activation cache: its pods get no Redis at all
+    peer = make_spec(runtime={"name": "vllm"}, **ref)
+    pod = engine_pod.pod_template(peer, CFG, 0)
+    assert "KUBESHARD_REDIS_URL" not in str(pod)

@@ -58,6 +58,12 @@ def test_hf_revision_comes_from_the_uri():
     ({"cache": {"activations": {"ttlSeconds": 0}}}, "spec.cache.activations.ttlSeconds"),
     ({"cache": {"activations": {"maxBytes": "lots"}}}, "spec.cache.activations.maxBytes"),
     ({"cache": {"activations": {"maxBytes": "0"}}}, "spec.cache.activations.maxBytes"),
+    ({"cache": {"activations": {"urlSecretRef": {}}}}, "spec.cache.activations.urlSecretRef.name"),
+    ({"cache": {"activations": {"urlSecretRef": "redis"}}}, "spec.cache.activations.urlSecretRef.name"),
+    ({"cache": {"activations": {"urlSecretRef": {"name": "Team_Redis"}}}}, "spec.cache.activations.urlSecretRef.name"),
+    ({"cache": {"activations": {"urlSecretRef": {"name": "r", "key": "a/b"}}}},
+     "spec.cache.activations.urlSecretRef.key"),
+    ({"model": {"source": "hf://o/n", "tokenSecretRef": {"key": "t"}}}, "spec.model.tokenSecretRef.name"),
 ])
 def test_bad_specs_name_the_field(overrides, field):
     with pytest.raises(SpecError) as info:
@@ -87,9 +93,11 @@ def test_autoscaling_target_defaults_per_metric():
 
 
 def test_activation_cache_defaults_and_settings():
-    from kubeshard_operator.spec import ActivationCache
+    from kubeshard_operator.spec import ActivationCache, SecretKeyRef
 
     assert parse_spec("tiny", "ml", spec_dict()).activations == ActivationCache(True, 2, 3600, 512 * 1024**2)
     a = parse_spec("tiny", "ml", spec_dict(cache={"activations": {"enabled": False, "minHits": 3, "ttlSeconds": 60,
                                                                   "maxBytes": "512Mi"}})).activations
     assert a == ActivationCache(False, 3, 60, 512 * 1024**2)
+    ref = parse_spec("tiny", "ml", spec_dict(cache={"activations": {"urlSecretRef": {"name": "redis"}}}))
+    assert ref.activations.url_secret == SecretKeyRef("redis", "url")

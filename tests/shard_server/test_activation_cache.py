@@ -10,6 +10,7 @@ configured wait.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import replace
 
 import pytest
@@ -18,8 +19,10 @@ import torch
 
 from kubeshard_shard.activations import codec
 from kubeshard_shard.activations.layout import KVLayout
+from kubeshard_shard.config import ActivationCacheConfig
 from tests.support.activation_cache import engine, generate, populate, writes_land_before_the_next_test  # noqa: F401 - autouse fixture
 from tests.support.engine import build_engine, greedy, hf_greedy, random_prompts
+from tests.support.redis_server import RedisServer
 from tests.support.slow_proxy import SlowProxy
 
 PREFIX = random_prompts(1, 1000, (200, 200), seed=11)[0]   # 12 full blocks of 16, and 8 tokens
@@ -207,6 +210,36 @@ def test_redis_flushed_or_stopped_mid_run(demo_model, redis_server, redis_url):
     new = random_prompts(1, 1000, (40, 60), seed=15)[0]
     assert generate(fresh, [new]) == [hf_greedy(model, new, 8)]
     assert fresh.stats().activation_cache.redis_up
+
+
+def test_a_redis_with_a_password(demo_model, caplog):
+    """The URL's password authenticates every connection; a wrong one is a Redis failure
+    like any other (requests compute, nothing waits); the password is never logged."""
+    password = f"pw-{uuid.uuid4().hex}"
+    server = RedisServer(password=password)
+    server.start()
+    try:
+        model = demo_model()
+        prompts = [PREFIX + t for t in TAILS[:2]]
+        want = [hf_greedy(model, p, 8) for p in prompts]
+        with caplog.at_level("INFO", logger="kubeshard_shard"):
+            first = engine(model, server.url)
+            assert populate(first, prompts[:1]) == want[:1]
+            assert first.stats().activation_cache.blocks_written == 12
+            fresh = engine(model, server.url)
+            assert generate(fresh, prompts[1:]) == want[1:]
+            assert fresh.stats().activation_cache.hit_blocks == 12
+            wrong = engine(model, server.url.replace(password, "not-it"))
+            assert generate(wrong, prompts[1:]) == want[1:]
+            a = wrong.stats().activation_cache
+            assert a.hit_blocks == 0 and a.errors >= 1 and not a.redis_up
+        assert "redis://***@127.0.0.1" in caplog.text
+        assert password not in caplog.text and "not-it" not in caplog.text
+        with pytest.raises(ValueError, match="--redis-url") as info:
+            ActivationCacheConfig(redis_url=f"http://:{password}@127.0.0.1:{server.port}/0")
+        assert password not in str(info.value)
+    finally:
+        server.close()
 
 
 def test_slow_redis_bounds_the_wait(demo_model, redis_server, redis_url):
