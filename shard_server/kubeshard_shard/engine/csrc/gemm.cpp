@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -207,7 +208,26 @@ struct QuantX {
   }
 };
 
-static QuantX quantize_x(const float* x, int64_t M, int64_t K) {
+// The paired layout (int4 on AVX-512, see q4_rows512): blocks 2p and 2p + 1 of a row as
+// [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 | 2p+1: 16-31], the order in which one 512-bit
+// read of the two blocks' packed weights widens (low nibbles, then high); a last odd
+// block stays as it is.
+static void pair_blocks(int16_t* q, int64_t M, int64_t K) {
+  int16_t two[64];
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b + 2 <= K / 32; b += 2) {
+      int16_t* at = q + r * K + b * 32;
+      std::memcpy(two, at, sizeof(two));
+      for (int i = 0; i < 16; ++i) {
+        at[i] = two[i];
+        at[16 + i] = two[32 + i];
+        at[32 + i] = two[16 + i];
+        at[48 + i] = two[48 + i];
+      }
+    }
+}
+
+static QuantX quantize_x(const float* x, int64_t M, int64_t K, bool paired = false) {
   QuantX out;
   const int64_t nb = K / 32;
   out.q.resize(M * K);
@@ -259,6 +279,7 @@ static QuantX quantize_x(const float* x, int64_t M, int64_t K) {
     out.sum[r] = s;
     out.err[r] = s - d * float(qs);
   }
+  if (paired) pair_blocks(out.q.data(), M, K);
   return out;
 }
 
@@ -559,6 +580,189 @@ static int group_shift(int64_t G) {
 }
 #endif
 
+#if defined(KS_AVX512)
+// acc + the products of 32 pairs of int16 (w, x) summed in pairs: 16 int32 lanes.
+static inline __m512i dot64(__m512i acc, __m512i w, const int16_t* x) {
+  const __m512i xv = _mm512_loadu_si512(x);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, xv);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, xv));
+#endif
+}
+
+// The sums of two rows' 16 lanes, each in the same order whatever the other row is:
+// lanes j and j + 8, then adjacent pairs, pairs of those, and the two halves.
+static inline void reduce_two(__m512 a, __m512 b, float& sa, float& sb) {
+  auto half = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(half(a), half(b));  // [a01 a23 b01 b23 | a45 a67 b45 b67]
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 t = _mm_hadd_ps(q, q);  // [a, b, a, b]
+  sa = _mm_cvtss_f32(t);
+  sb = _mm_cvtss_f32(_mm_shuffle_ps(t, t, 1));
+}
+
+// NR (1 or 2) int4 rows of W against MR rows of x (from row m0) in 512-bit vectors, two
+// blocks at a time: their 32 packed bytes widen to 32 int16 (both blocks' bytes), whose
+// low nibbles are values 0-15 of each block and high nibbles values 16-31; x is in the
+// paired layout (pair_blocks), so two multiply-adds give 16 lanes, eight a block, which
+// are converted and scaled (lanes 0-7 by the first block's x and W scales, 8-15 by the
+// second's) into one float accumulator. The minimums' terms (q4_min_terms) are summed
+// block by block beside them, and a row's lanes are summed once, at its end, two rows
+// in one tree (reduce_two). Two W rows at a time (one after the other in memory, so
+// still one stream) give each step two independent multiply-add chains and halve the
+// horizontal sums: at the default model's K = 576 (18 blocks a row) a row's end, where
+// its chains and sums finish, took about as many samples as its blocks (perf). A last
+// odd block goes through the 256-bit path. A row's bits depend on the row alone,
+// whatever MR, NR or its partner. A pass over the default model's int4 layers
+// (bench/results/quant-kernels.md, 2026-12-06, Xeon, 2 cores, `--against 7eb5458`, the
+// 256-bit eight-block path): 1.21x at one row of x, 1.16x at two, 1.14x at four, 1.08x
+// at eight.
+template <int MR, int NR, bool kOneGroup>
+static void q4_rows512(const QuantX& qx, int64_t m0, int64_t K, const Int4Rows (&rows)[NR], int shift,
+                       float* const (&y)[NR], int64_t ldy, const float* const (&bias)[NR]) {
+  const int64_t nb = K / 32;
+  const int16_t* xq = qx.q.data() + m0 * K;
+  const float* dx = qx.d.data() + m0 * nb;
+  const float* xsum = qx.sum.data() + m0 * nb;
+  const float* xerr = qx.err.data() + m0 * nb;
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  __m512 acc[NR][MR];
+  __m256 mins[NR][MR];  // per block of x: m times its exact sum, 8 d times that less the quantized sum's
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      acc[r][m] = _mm512_setzero_ps();
+      mins[r][m] = _mm256_setzero_ps();
+    }
+  // blocks b, b + 1 of row r against every row of x; scale(m): their 16 lanes' scales
+  auto add_pair = [&](int r, int64_t b, auto scale) {
+    const uint8_t* w = rows[r].block(0, b);
+    if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w) + kRowAhead, _MM_HINT_T0);
+    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+    for (int m = 0; m < MR; ++m) {
+      const int16_t* x = xq + m * K + b * 32;
+      const __m512i dot = dot64(dot64(_mm512_setzero_si512(), lo, x), hi, x + 32);
+      acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale(m), acc[r][m]);
+    }
+  };
+  int64_t b = 0;
+  // eight blocks at a time: their scales computed once (x's times W's), each pair's
+  // sixteen picked from them by one permute
+  for (; b + 8 <= nb; b += 8) {
+    __m512 s8[NR][MR];
+    for (int r = 0; r < NR; ++r) {
+      const __m256 ws = kOneGroup ? _mm256_set1_ps(1.f) : block_scales(rows[r].scales, b, shift);
+      for (int m = 0; m < MR; ++m)
+        s8[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(dx + m * nb + b), ws));
+      if constexpr (!kOneGroup) {
+        const __m256 wm = block_scales(rows[r].mins, b, shift), d8 = _mm256_mul_ps(ws, _mm256_set1_ps(8.f));
+        for (int m = 0; m < MR; ++m) {
+          mins[r][m] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xsum + m * nb + b), mins[r][m]);
+          mins[r][m] = _mm256_fmadd_ps(d8, _mm256_loadu_ps(xerr + m * nb + b), mins[r][m]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i pick = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                            2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
+                                            2 * p);
+      for (int r = 0; r < NR; ++r)
+        add_pair(r, b + 2 * p, [&](int m) { return _mm512_permutexvar_ps(pick, s8[r][m]); });
+    }
+  }
+  for (; b + 2 <= nb; b += 2)
+    for (int r = 0; r < NR; ++r) {
+      const float w0 = kOneGroup ? 1.f : rows[r].scale(0, b >> shift);
+      const float w1 = kOneGroup ? 1.f : rows[r].scale(0, (b + 1) >> shift);
+      add_pair(r, b, [&](int m) {  // (insertf64x4: AVX-512 F, where insertf32x8 needs DQ)
+        const __m512d first = _mm512_castps_pd(_mm512_set1_ps(dx[m * nb + b] * w0));
+        const __m256d second = _mm256_castps_pd(_mm256_set1_ps(dx[m * nb + b + 1] * w1));
+        return _mm512_castpd_ps(_mm512_insertf64x4(first, second, 1));
+      });
+    }
+  float sums[NR][MR];
+  for (int m = 0; m < MR; ++m) {
+    __m512 v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < NR; ++r)
+      v[r] = kOneGroup ? acc[r][m] : _mm512_add_ps(acc[r][m], _mm512_zextps256_ps512(mins[r][m]));
+    float unused;
+    reduce_two(v[0], v[1], sums[0][m], NR == 2 ? sums[NR - 1][m] : unused);
+  }
+  for (int r = 0; r < NR; ++r) {
+    const Int4Rows& row = rows[r];
+    float odd[MR] = {};
+    if (b < nb) {  // the last odd block, in the plain layout
+      __m256i wa, wb;
+      read_block(row, b, wa, wb);
+      const float ws = kOneGroup ? 1.f : row.scale(0, b >> shift);
+      for (int m = 0; m < MR; ++m)
+        odd[m] = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot32(wa, wb, xq + m * K + b * 32)),
+                                       _mm256_set1_ps(dx[m * nb + b] * ws)));
+    }
+    // the minimums' terms of the blocks after the last eight (or of the one group)
+    float tail[MR] = {};
+    if constexpr (kOneGroup) {
+      for (int m = 0; m < MR; ++m) tail[m] = row.min_terms(0, qx, m0 + m);
+    } else {
+      for (int64_t t = nb & ~int64_t(7); t < nb; ++t) {
+        const float d = row.scale(0, t >> shift), mn = fp16_to_f32(row.mins[t >> shift]);
+        for (int m = 0; m < MR; ++m) tail[m] += mn * xsum[m * nb + t] + 8.f * d * xerr[m * nb + t];
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      float s = sums[r][m] + odd[m];
+      if constexpr (kOneGroup) s *= row.scale(0, 0);
+      y[r][m * ldy] = s + tail[m] + (bias[r] ? *bias[r] : 0.f);
+    }
+  }
+}
+#endif
+
+#if defined(KS_AVX512)
+// Rows m .. m + mr - 1 of x (mr = min(4, M - m)) against NR rows of W.
+template <int NR>
+static int64_t q4_step512(const QuantX& qx, int64_t m, int64_t M, int64_t K, const Int4Rows (&rows)[NR], int shift,
+                          bool one_group, float* const (&y)[NR], int64_t ldy, const float* const (&bias)[NR]) {
+  const int64_t left = M - m;
+#define KS_Q4(mr)                                                                                     \
+  (one_group ? q4_rows512<mr, NR, true>(qx, m, K, rows, shift, y, ldy, bias)                          \
+             : q4_rows512<mr, NR, false>(qx, m, K, rows, shift, y, ldy, bias)), mr
+  if (left >= 4) return KS_Q4(4);
+  if (left == 3) return KS_Q4(3);
+  if (left == 2) return KS_Q4(2);
+  return KS_Q4(1);
+#undef KS_Q4
+}
+
+// The int4 GEMM on AVX-512: W's rows two at a time (q4_rows512), a thread's last odd
+// row alone.
+template <typename RowsAt>
+static void q4_gemm512(const QuantX& qx, int64_t M, int64_t N, int64_t K, RowsAt rows, int shift, bool one_group,
+                       float* yp, const float* b) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n += 2)
+      for (int64_t m = 0; m < M;) {
+        if (n + 1 < n1) {
+          const Int4Rows two[2] = {rows(n), rows(n + 1)};
+          float* const out[2] = {yp + m * N + n, yp + m * N + n + 1};
+          const float* const bias[2] = {b ? b + n : nullptr, b ? b + n + 1 : nullptr};
+          m += q4_step512<2>(qx, m, M, K, two, shift, one_group, out, N, bias);
+        } else {
+          const Int4Rows one[1] = {rows(n)};
+          float* const out[1] = {yp + m * N + n};
+          const float* const bias[1] = {b ? b + n : nullptr};
+          m += q4_step512<1>(qx, m, M, K, one, shift, one_group, out, N, bias);
+        }
+      }
+  });
+}
+#endif
+
 // y = x W^T (+ bias) over W's rows: `rows(n)` reads W from its row n.
 template <typename RowsAt>
 static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const float* b, const QuantX& qx,
@@ -570,6 +774,12 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
   const bool one_group = G == K;
   const int shift = group_shift(G);
   if (one_group || shift >= 0) {
+#if defined(KS_AVX512)
+    if constexpr (std::is_same_v<decltype(rows(0)), Int4Rows>) {
+      q4_gemm512(qx, M, N, K, rows, shift, one_group, yp, b);
+      return y;
+    }
+#endif
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t m = 0; m < M;) {
@@ -579,10 +789,15 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
 #define KS_ROW(mr)                                                                   \
   (one_group ? quant_row<mr, true>(qx, m, K, rows(n), shift, out, N, bn)             \
              : quant_row<mr, false>(qx, m, K, rows(n), shift, out, N, bn)), m += mr
-          if (left >= 4) KS_ROW(4);
-          else if (left == 3) KS_ROW(3);
-          else if (left == 2) KS_ROW(2);
-          else KS_ROW(1);
+          if (left >= 4) {
+            KS_ROW(4);
+          } else if (left == 3) {
+            KS_ROW(3);
+          } else if (left == 2) {
+            KS_ROW(2);
+          } else {
+            KS_ROW(1);
+          }
 #undef KS_ROW
         }
     });
@@ -631,7 +846,12 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor min
               "gemm_q4: shapes do not match");
   check_groups(K, G, scales.size(1), "gemm_q4");
   const float* b = bias_ptr(bias, N, "gemm_q4");
-  QuantX qx = quantize_x(x.data_ptr<float>(), M, K);
+#if defined(KS_AVX512)
+  const bool paired = G == K || group_shift(G) >= 0;  // q4_rows512 serves (quant_gemm)
+#else
+  const bool paired = false;
+#endif
+  QuantX qx = quantize_x(x.data_ptr<float>(), M, K, paired);
   qx.group(M, K, G);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
