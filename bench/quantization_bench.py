@@ -237,7 +237,8 @@ def render(r: dict) -> str:
     for name, section in r["models"].items():
         lines += [f"## {name} model", "",
                   "| weights | decode ms/token | weight bytes | copy GB/s | bound ms | × bound (range) "
-                  "| modules ms/token | RSS after load | first differing token |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| modules ms/token | RSS after load | first differing token |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for method, row in section["weights"].items():
             copy = row.get("copy_bandwidth_gb_s", r["copy_bandwidth_gb_s"])
             diff = ", ".join("—" if d is None else str(d) for d in row["first_differing_token"])
