@@ -65,6 +65,12 @@ def index_key(model: str) -> str:
     return f"kubeshard:{model}:routers"
 
 
+def index_member(revision: str, router_id: str) -> str:
+    """A router's entry for one revision in its model's index (the operator splits it at
+    the last '|')."""
+    return f"{revision}|{router_id}"
+
+
 async def read_load(client: aioredis.Redis, model: str, revision: str) -> tuple[int, int]:
     """Sums (in_flight, queued) of one model over every live router instance."""
     in_flight = queued = 0
@@ -112,14 +118,13 @@ class LoadPublisher:
         expires = time.time() + self.ttl_s
         pipe = self.client.pipeline(transaction=False)
         for model, revision in gone:
-            pipe.delete(load_key(model, revision, self.router_id))
-            pipe.zrem(index_key(model), f"{revision}|{self.router_id}")
+            self._withdraw(pipe, model, revision)
         for load in loads:
             key = load_key(load.model, load.revision, self.router_id)
             pipe.hset(key, mapping=load.fields())
             pipe.expire(key, self.ttl_s)
             index = index_key(load.model)
-            pipe.zadd(index, {f"{load.revision}|{self.router_id}": expires})
+            pipe.zadd(index, {index_member(load.revision, self.router_id): expires})
             pipe.zremrangebyscore(index, "-inf", time.time())
             pipe.expire(index, self.ttl_s)
         async with asyncio.timeout(self.timeout_s * 2):
@@ -143,6 +148,11 @@ class LoadPublisher:
                 log.exception("publishing load counters failed")
             await asyncio.sleep(self.interval_s)
 
+    def _withdraw(self, pipe, model: str, revision: str) -> None:
+        """Queues the removal of this router's load entry for (model, revision)."""
+        pipe.delete(load_key(model, revision, self.router_id))
+        pipe.zrem(index_key(model), index_member(revision, self.router_id))
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -152,8 +162,7 @@ class LoadPublisher:
             if loads:
                 pipe = self.client.pipeline(transaction=False)
                 for l in loads:
-                    pipe.delete(load_key(l.model, l.revision, self.router_id))
-                    pipe.zrem(index_key(l.model), f"{l.revision}|{self.router_id}")
+                    self._withdraw(pipe, l.model, l.revision)
                 async with asyncio.timeout(self.timeout_s):
                     await pipe.execute()
         except Exception:
