@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kubeshard_proto import pb
+from kubeshard_proto import pb, pb_grpc
 from tests.support.engine import hf_greedy, random_prompts
 from tests.support.shard_process import start_shard
 
@@ -103,6 +103,16 @@ def requests_by_outcome(server) -> dict[str, float]:
     return counts
 
 
+def abandoning_stub(server) -> pb_grpc.TextGenerationStub:
+    """A client whose HTTP/2 window holds only a few token messages: the server blocks
+    sending once it is full, so a stream the client abandons cannot run to its end before
+    the cancel lands. (With the default 64 KiB window the server wrote a whole 400-token
+    stream into it, and on a loaded machine the stream finished before its cancel arrived
+    and counted as finished.)"""
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    return pb_grpc.TextGenerationStub(grpc.insecure_channel(server.address, options=options))
+
+
 def test_every_request_is_counted_once_by_its_outcome(server):
     """Requests read to the end count as finished, and one the client abandons mid-stream
     as cancelled, each exactly once."""
@@ -110,7 +120,7 @@ def test_every_request_is_counted_once_by_its_outcome(server):
     before = requests_by_outcome(server)
     for i in range(5):
         assert len(collect(stub, request(ids=[10 + i, 11, 12], n=4))) == 4
-    call = stub.Generate(request(ids=list(range(10, 60)), n=500), timeout=60)
+    call = abandoning_stub(server).Generate(request(ids=list(range(10, 60)), n=500), timeout=60)
     next(call)
     call.cancel()
     deadline = time.monotonic() + 5
@@ -126,7 +136,7 @@ def test_streams_abandoned_at_varied_points_each_count_once_as_cancelled(server)
     cancels the handler's task while that awaits the engine, or closes the handler's
     generator while grpc awaits sending a message. Both count, once, and free the stream's
     blocks."""
-    stub = server.stub()
+    stub = abandoning_stub(server)
     before = requests_by_outcome(server)
     for i in range(24):
         call = stub.Generate(request(ids=[20 + i, 21, 22], n=400), timeout=120)
@@ -148,7 +158,7 @@ def test_streams_abandoned_at_varied_points_each_count_once_as_cancelled(server)
 
 
 def test_cancelled_stream_frees_its_kv_blocks(server):
-    stub = server.stub()
+    stub = abandoning_stub(server)
     call = stub.Generate(request(ids=list(range(10, 300)), n=700), timeout=120)
     for _, _ in zip(range(3), call):
         pass
@@ -226,7 +236,7 @@ def test_over_max_concurrent_requests_is_resource_exhausted(demo_model):
     shard = start_shard(demo_model("llama"), "--max-concurrent-requests", "2", "--max-total-tokens", "2048")
     try:
         stub = shard.stub()
-        calls = [stub.Generate(request(ids=[5, 6, 7], n=1500), timeout=120) for _ in range(2)]
+        calls = [abandoning_stub(shard).Generate(request(ids=[5, 6, 7], n=1500), timeout=120) for _ in range(2)]
         for call in calls:
             next(call)
         with pytest.raises(grpc.RpcError) as info:
