@@ -400,6 +400,82 @@ def test_aggregation_layer_proxies_to_an_apiservice_backend(cluster: Cluster, na
         cluster.kubectl("delete", "apiservice", f"v1.{group}", "--wait=false", check=False)
 
 
+def oci_image_tarball(path, ref: str, payload: bytes) -> str:
+    """Writes a one-layer OCI image archive named `ref` (as `ctr images import` reads it);
+    returns its layer's digest."""
+    import hashlib
+    import io
+    import tarfile
+
+    blobs: dict[str, bytes] = {}
+
+    def blob(data: bytes, media_type: str) -> dict:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        blobs[digest] = data
+        return {"mediaType": media_type, "digest": digest, "size": len(data)}
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        info = tarfile.TarInfo("payload")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    layer_desc = blob(layer.getvalue(), "application/vnd.oci.image.layer.v1.tar")
+    config = {"architecture": "amd64", "os": "linux", "config": {"Cmd": ["/payload"]},
+              "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]}}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": blob(json.dumps(config).encode(), "application/vnd.oci.image.config.v1+json"),
+                "layers": [layer_desc]}
+    manifest_desc = blob(json.dumps(manifest).encode(), manifest["mediaType"])
+    manifest_desc["annotations"] = {"io.containerd.image.name": ref}
+    files = {"oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode(),
+             "index.json": json.dumps({"schemaVersion": 2, "manifests": [manifest_desc]}).encode()}
+    files.update({f"blobs/sha256/{d.split(':')[1]}": data for d, data in blobs.items()})
+    with tarfile.open(path, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return layer_desc["digest"]
+
+
+def test_a_rebuilt_image_replaces_the_earlier_build_in_the_nodes_store(cluster: Cluster, tmp_path):
+    """A new tarball of an image group (hack/images.sh's GROUP-HASH.tar) removes what the
+    group's earlier tarball imported, its layers, snapshots and CRI ID record included,
+    before it is imported: the node's store does not grow with every rebuild."""
+    if not cluster.is_local:
+        pytest.skip("kind loads its images itself")
+    from e2e.cluster.kubelet import containerd
+    from e2e.cluster.local import LocalCluster
+
+    c = LocalCluster().config
+    assert c is not None
+    builds = []
+    for n in (1, 2):
+        ref, tarball = f"kubeshard.test/rebuilt:{n}", tmp_path / f"e2erebuilt-{n}{n}{n}.tar"
+        builds.append((ref, tarball, oci_image_tarball(tarball, ref, f"build {n}\n".encode())))
+
+    def layers() -> str:
+        return containerd.ctr(c, "content", "ls", "--quiet").stdout
+
+    stamps = containerd.root_dir(c) / "imported"
+    others = {r: d for r, d in containerd.image_digests(c).items() if not r.startswith("sha256:")}
+    try:
+        containerd.import_images(c, [builds[0][1]])
+        assert builds[0][0] in containerd.image_refs(c) and builds[0][2] in layers()
+        containerd.import_images(c, [builds[1][1]])
+        listed = containerd.image_digests(c)
+        assert builds[1][0] in listed and builds[0][0] not in listed
+        assert builds[0][2] not in layers() and builds[1][2] in layers()
+        ids = {d for r, d in listed.items() if r.startswith("sha256:")}
+        assert ids <= set(listed[r] for r in listed if not r.startswith("sha256:")), "an ID record without a name"
+        assert {r: listed.get(r) for r in others} == others  # the other images are untouched
+        assert [s.name for s in stamps.glob("e2erebuilt-*")] == [builds[1][1].name + ".refs"]
+    finally:
+        containerd.remove_images(c, [ref for ref, _, _ in builds])
+        for stamp in stamps.glob("e2erebuilt-*"):
+            stamp.unlink()
+
+
 @pytest.mark.slow
 @pytest.mark.cluster_lifecycle
 def test_make_cluster_then_cluster_down_leaves_nothing_behind(cluster: Cluster):

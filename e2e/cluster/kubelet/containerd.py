@@ -94,21 +94,59 @@ def image_refs(c: ClusterConfig) -> set[str]:
     return set(out.stdout.split()) if out.returncode == 0 else set()
 
 
+def image_group(tarball_name: str) -> str:
+    """hack/images.sh names a tarball GROUP-HASH.tar: a new build of a group replaces the last."""
+    return tarball_name.removesuffix(".refs").removesuffix(".tar").rsplit("-", 1)[0]
+
+
 def import_images(c: ClusterConfig, tarballs: list[Path]) -> None:
-    """Import every tarball whose images containerd does not hold yet (stamped by name)."""
+    """Import every tarball whose images containerd does not hold yet (stamped by name),
+    first removing the images an earlier build of the same group imported: a store kept
+    between runs would otherwise hold every build's layers and snapshots (15 GB after a
+    day of rebuilding the shard image)."""
     stamps = root_dir(c) / "imported"
     stamps.mkdir(parents=True, exist_ok=True)
     present = image_refs(c)
     for tarball in tarballs:
         stamp = stamps / (tarball.name + ".refs")
+        earlier = [old for old in stamps.glob(image_group(tarball.name) + "-*.refs")
+                   if old != stamp and image_group(old.name) == image_group(tarball.name)]
         if stamp.exists() and set(stamp.read_text().split()) <= present:
+            for old in earlier:  # its names now point to this build's images
+                old.unlink()
             continue
+        for old in earlier:
+            remove_images(c, old.read_text().split())
+            old.unlink()
         proc = ctr(c, "images", "import", "--no-unpack=false", str(tarball))
         if proc.returncode != 0:
             raise RuntimeError(f"ctr images import {tarball} failed: {proc.stderr.strip()}")
         refs = [line.split()[1] for line in proc.stdout.splitlines()
                 if line.startswith("unpacking ") and len(line.split()) > 1]
         stamp.write_text("\n".join(refs))
+
+
+def image_digests(c: ClusterConfig) -> dict[str, str]:
+    """Every image record and the manifest (or index) it points to. The CRI plugin keeps,
+    besides an image's names, a record named by its ID (sha256:<config digest>)."""
+    out = ctr(c, "images", "list")
+    if out.returncode != 0:
+        raise RuntimeError(f"ctr images list failed: {out.stderr.strip()}")
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]
+    return {row[0]: row[2] for row in rows if len(row) > 2}
+
+
+def remove_images(c: ClusterConfig, refs: list[str]) -> None:
+    """Remove images and the ID records no name points to any more, then, synchronously,
+    the layers and snapshots nothing else uses (an ID record alone keeps them all)."""
+    listed = image_digests(c)
+    named = {digest for ref, digest in listed.items() if not ref.startswith("sha256:") and ref not in refs}
+    orphans = {ref for ref, digest in listed.items() if ref.startswith("sha256:") and digest not in named}
+    doomed = sorted((set(refs) & listed.keys()) | orphans)
+    if doomed:
+        proc = ctr(c, "images", "rm", "--sync", *doomed)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ctr images rm {' '.join(doomed)} failed: {proc.stderr.strip()}")
 
 
 def crictl(c: ClusterConfig, crictl_bin: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
