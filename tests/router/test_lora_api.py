@@ -96,6 +96,10 @@ def late_b(setup):
                    json={"lora_name": "beta", "lora_path": setup.paths["beta"]})
     assert r.status_code == 200 or "already loaded" in r.text, r.text
     b = _shard(setup.model_dir, setup.root, port=setup.b_port)
+    # settled before any test uses B: the router has seen it ready and replayed `beta` on it
+    # (a test that loads another adapter before that would find B without it)
+    wait_for(lambda: f"replica 127.0.0.1:{setup.b_port} ready" in setup.router.output, 60)
+    wait_for(lambda: _adapters_of(b) == ["beta"], timeout=60)
     yield b
     b.stop()
 
