@@ -79,6 +79,25 @@ def test_ready_line_waits_for_every_static_backend():
             stub.stop()
 
 
+def test_the_started_router_freezes_its_startup_heap():
+    """Once started, what the router holds for good is out of the garbage collector's
+    walks (gc.freeze): its log says how much."""
+    stub = start_stub()
+    router = None
+    try:
+        router = start_router("--backend", f"demo={stub.address}", "--no-redis", "--log-level", "info")
+        frozen = re.compile(r"startup heap frozen: (\d+) objects")
+        assert wait_for(lambda: frozen.search(router.output), timeout=30), router.output[-2000:]
+        found = frozen.search(router.output)
+        assert int(found.group(1)) > 20_000  # the router's imports alone are ~90,000
+        r = httpx.post(router.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200  # and it serves as before
+    finally:
+        if router is not None:
+            router.stop()
+        stub.stop()
+
+
 def test_sigterm_drains_in_flight_streams():
     stub = start_stub("--token-delay", "0.05")
     router = start_router("--backend", f"demo={stub.address}", "--no-redis", "--drain-timeout", "30")

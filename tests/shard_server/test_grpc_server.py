@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -41,6 +42,14 @@ def request(prompt=None, ids=None, n=16, **sampling):
 
 def collect(stub, req, timeout=60):
     return list(stub.Generate(req, timeout=timeout))
+
+
+def test_the_loaded_shard_freezes_its_startup_heap(server):
+    """Once loaded, what the model server holds for good (modules, tables) is out of the
+    garbage collector's walks (gc.freeze): its log says how much."""
+    found = re.search(r"startup heap frozen: (\d+) objects", server.output)
+    assert found, server.output[-2000:]
+    assert int(found.group(1)) > 50_000  # torch, transformers and the model: ~250,000 with the default model
 
 
 def test_streams_tokens_with_text_and_finish(server, demo_model):

@@ -25,6 +25,7 @@ from kubeshard_shard.distributed.strategy import make_strategy
 from kubeshard_shard.models.config import CheckpointError, load_model_config
 from kubeshard_shard.server.factory import ServedModel, build_served_model
 from kubeshard_shard.server.grpc_service import GroupInfo
+from kubeshard_shard.server.heap import freeze_startup_heap
 from kubeshard_shard.server.serve import HealthServer, install_signal_handlers, run_leader
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def load_member(config: EngineConfig, placement: Placement) -> ServedModel:
                         engine_fingerprint(config))
         strategy.join(comm)
     served = build_served_model(config, strategy, compute)
+    freeze_startup_heap()
     if placement.shards > 1:
         comm.barrier()  # every rank has loaded
         log.info("rank %d loaded (%s strategy, %d parameter bytes resident)", placement.rank, placement.strategy,
