@@ -20,6 +20,7 @@ from safetensors import safe_open
 from kubeshard_shard.models.config import CheckpointError, ModelConfig
 from kubeshard_shard.models.layers import bind_gemm, bind_kernels
 from kubeshard_shard.models.llama import MODEL_REGISTRY, LlamaForCausalLM
+from kubeshard_shard.models.readable import unreadable
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class SafetensorsCheckpoint:
     def tensors(self) -> Iterator[tuple[str, object]]:
         """Yields (name, lazy slice) for every tensor; slices read on indexing."""
         for path in self.files:
+            reason = unreadable(path)
+            if reason is not None:
+                raise CheckpointError(reason)
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except Exception as exc:  # safetensors raises its own error types

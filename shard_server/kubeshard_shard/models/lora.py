@@ -58,6 +58,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kubeshard_shard.models.readable import unreadable
+
 # PEFT module names -> (our layer attribute, index of the sub-projection in a fused layer)
 TARGETS = {
     "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
@@ -97,6 +99,9 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     if st.is_file():
         from safetensors.torch import load_file
 
+        reason = unreadable(st)
+        if reason is not None:
+            raise AdapterError(reason)
         return load_file(str(st))
     pt = folder / "adapter_model.bin"
     if pt.is_file():
