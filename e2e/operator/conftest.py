@@ -31,6 +31,7 @@ INSTALL_VALUES = [
     "--set", "router.autoscaling.enabled=false",
     "--set", "router.replicaCount=1",
     "--set", "redis.maxMemory=64mb",
+    "--set", "router.runtimeLora=true",  # test_runtime_lora.py
     # Requests held at zero wait out a cold start that compiles the decode kernel.
     "--set", "router.extraArgs={--activation-timeout=300}",
 ]

@@ -18,6 +18,10 @@ from kubeshard_operator.spec import InferenceServiceSpec
 
 MODEL_ROOT = "/models"
 ADAPTER_ROOT = "/adapters"  # spec.model.adapters[i] is mounted at ADAPTER_ROOT/NAME
+# spec.model.adapterRoot is mounted here, in every model's pods alike: the chart's router
+# (router.runtimeLora) passes the same path as its --lora-root, under which a runtime
+# load's lora_path must lie
+LORA_ROOT = "/lora-root"
 # spec.engine.speculative.draftModel: a folder mounted at DRAFT_ROOT, a .gguf file at
 # DRAFT_ROOT/FILE. Not under MODEL_ROOT: an hf:// model's volume is mounted read-only
 # there, and a mount point inside a read-only mount cannot be created.
@@ -146,7 +150,9 @@ def shard_args(spec: InferenceServiceSpec, headless_service: str) -> list[str]:
         args += ["--runtime", "onnx"]
     for adapter in m.adapters:  # served at start; more through the router's /v1/load_lora_adapter
         args += ["--lora-adapter", f"{adapter.name}={ADAPTER_ROOT}/{adapter.name}"]
-    if m.adapters:
+    if m.adapter_root is not None:  # runtime loads from there (implies --enable-lora)
+        args += ["--lora-root", LORA_ROOT]
+    elif m.adapters:
         args.append("--enable-lora")
     threads = cpu_threads(spec)
     if threads is not None:
@@ -249,17 +255,18 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     else:
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODEL_ROOT, "readOnly": True})
-    for i, adapter in enumerate(spec.model.adapters):
-        where = f"{ADAPTER_ROOT}/{adapter.name}"
-        if adapter.source.kind == "host":
-            volumes.append({"name": f"adapter-{i}", "hostPath": {"path": adapter.source.location, "type": "Directory"}})
-            mounts.append({"name": f"adapter-{i}", "mountPath": where, "readOnly": True})
+    folders = [(f"adapter-{i}", a.source, f"{ADAPTER_ROOT}/{a.name}") for i, a in enumerate(spec.model.adapters)]
+    if spec.model.adapter_root is not None:
+        folders.append(("lora-root", spec.model.adapter_root, LORA_ROOT))
+    for name, source, where in folders:  # read-only folders: a host path or a PVC's (sub)folder
+        if source.kind == "host":
+            volumes.append({"name": name, "hostPath": {"path": source.location, "type": "Directory"}})
+            mounts.append({"name": name, "mountPath": where, "readOnly": True})
         else:
-            volumes.append({"name": f"adapter-{i}", "persistentVolumeClaim": {
-                "claimName": adapter.source.location, "readOnly": True}})
-            mount = {"name": f"adapter-{i}", "mountPath": where, "readOnly": True}
-            if adapter.source.path:
-                mount["subPath"] = adapter.source.path
+            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": source.location, "readOnly": True}})
+            mount = {"name": name, "mountPath": where, "readOnly": True}
+            if source.path:
+                mount["subPath"] = source.path
             mounts.append(mount)
     draft = spec.engine.speculative.draft_model
     if draft is not None and spec.engine.speculative.method == "draft":

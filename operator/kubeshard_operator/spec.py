@@ -143,6 +143,9 @@ class ModelSpec:
     # the group size of an int4 draft)
     quantize: str = "none"
     quantize_group_size: int = 32
+    # a folder of adapter folders the router's /v1/load_lora_adapter may load from at run
+    # time (mounted at shard_pod.LORA_ROOT, the chart router's --lora-root)
+    adapter_root: Optional[ModelSource] = None
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,9 @@ def check_runtime(spec: InferenceServiceSpec) -> None:
     if spec.model.adapters and (rt != "kubeshard" or spec.sharding.shards != 1):
         raise SpecError("spec.model.adapters are applied by the kubeshard runtime's unsharded replicas only: "
                         "spec.sharding.shards must be 1")
+    if spec.model.adapter_root is not None and (rt != "kubeshard" or spec.sharding.shards != 1):
+        raise SpecError("spec.model.adapterRoot: adapters are loaded at run time by the kubeshard runtime's "
+                        "unsharded replicas only: spec.sharding.shards must be 1")
     if rt == "kubeshard":
         if spec.runtime.image or spec.runtime.args:
             raise SpecError("spec.runtime.image and spec.runtime.args are for other runtimes; the kubeshard "
@@ -418,7 +424,7 @@ def _model(default_name: str, m: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(source=source, name=name, revision=revision or source.revision or "main",
                      dtype=dtype, token_secret=_secret_ref(m.get("tokenSecretRef"), "spec.model.tokenSecretRef",
                                                            "token"), adapters=_adapters(m.get("adapters"), name),
-                     quantize=quantize, quantize_group_size=group)
+                     quantize=quantize, quantize_group_size=group, adapter_root=_adapter_root(m.get("adapterRoot")))
 
 
 def _mounted_source(uri: str, where: str, what: str) -> ModelSource:
@@ -430,6 +436,17 @@ def _mounted_source(uri: str, where: str, what: str) -> ModelSource:
     if source.kind == "hf":
         raise SpecError(f"{where}: hf:// {what} are not downloaded; put it on a PVC (pvc://CLAIM/PATH) or a "
                         "host path")
+    return source
+
+
+def _adapter_root(raw: Any) -> Optional[ModelSource]:
+    if raw is None or raw == "":
+        return None
+    if not isinstance(raw, str):
+        raise SpecError("spec.model.adapterRoot must be a string: pvc://CLAIM/PATH or a host path")
+    source = _mounted_source(raw, "spec.model.adapterRoot", "adapter folders")
+    if source.is_gguf:
+        raise SpecError("spec.model.adapterRoot must be a folder (of adapter folders), not a .gguf file")
     return source
 
 

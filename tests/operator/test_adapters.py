@@ -1,5 +1,6 @@
-"""spec.model.adapters: parsed and refused with messages that name the field; each adapter
-is mounted read-only in the shard pod and served with --lora-adapter NAME=FOLDER."""
+"""spec.model.adapters and adapterRoot: parsed and refused with messages that name the
+field; each adapter is mounted read-only in the shard pod and served with --lora-adapter
+NAME=FOLDER, the adapter root mounted read-only at /lora-root and given as --lora-root."""
 
 from __future__ import annotations
 
@@ -34,7 +35,34 @@ def test_adapters_are_mounted_and_served():
     assert "--lora-adapter" not in plain and "--enable-lora" not in plain
 
 
+def test_an_adapter_root_is_mounted_for_runtime_loads():
+    spec = one_shard(adapterRoot="pvc://loras/runtime", adapters=ADAPTERS[:1])
+    assert spec.model.adapter_root.location == "loras"
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--lora-root") + 1] == "/lora-root"  # the chart router's --lora-root
+    assert "sql=/adapters/sql" in args  # static adapters as before
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert volumes["lora-root"]["persistentVolumeClaim"] == {"claimName": "loras", "readOnly": True}
+    assert mounts["lora-root"] == {"name": "lora-root", "mountPath": "/lora-root", "readOnly": True,
+                                   "subPath": "runtime"}
+    host = b.build_statefulset(one_shard(adapterRoot="/srv/loras"), CFG, 0)["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in host["volumes"]}["lora-root"]["hostPath"] == {"path": "/srv/loras",
+                                                                                 "type": "Directory"}
+    assert "--lora-root" in host["containers"][0]["args"]
+    plain = b.build_statefulset(one_shard(), CFG, 0)["spec"]["template"]["spec"]
+    assert "--lora-root" not in plain["containers"][0]["args"]
+    assert "lora-root" not in {v["name"] for v in plain["volumes"]}
+
+
 @pytest.mark.parametrize("model, sharding, message", [
+    ({"adapterRoot": "/srv/loras"}, {"strategy": "tensor", "shards": 2},
+     "spec.model.adapterRoot: .* spec.sharding.shards must be 1"),
+    ({"adapterRoot": "hf://org/loras"}, None, "spec.model.adapterRoot: hf://"),
+    ({"adapterRoot": "relative/loras"}, None, "spec.model.adapterRoot"),
+    ({"adapterRoot": "/srv/model.gguf"}, None, "spec.model.adapterRoot must be a folder"),
+    ({"adapterRoot": ["/a"]}, None, "spec.model.adapterRoot must be a string"),
     ({"adapters": ADAPTERS}, {"strategy": "tensor", "shards": 2}, "spec.sharding.shards must be 1"),
     ({"adapters": [{"name": "x", "source": "hf://org/lora"}]}, None, "spec.model.adapters[0].source: hf://"),
     ({"adapters": [{"name": "x", "source": "relative/path"}]}, None, "spec.model.adapters[0].source"),
