@@ -151,7 +151,7 @@ async def serve(config: RouterConfig, balance: str = "prefix") -> None:
 def freeze_startup_heap() -> None:
     """What the started router holds for as long as it runs (~90,000 objects, mostly its
     imports) is frozen out of the garbage collector's walks: each collection of the oldest
-    generation walked them all (about 25 ms), a pause every stream through this router
+    generation walked them all (20-25 ms), a pause every stream through this router
     shared. As the shard server does once loaded (kubeshard_shard/server/heap.py)."""
     gc.collect()
     gc.freeze()

@@ -2,8 +2,8 @@
 
 A loaded model server holds a few hundred thousand Python objects for as long as it
 runs (modules, parameter wrappers, tokenizer and config tables). CPython's collection
-of its oldest generation walks every one of them: about 100 ms with the default model
-loaded (bench/results/gc-pause.md), a pause that every stream in flight shares, and the
+of its oldest generation walks every one of them: 70-110 ms with the default model
+loaded (bench/results/gc-pause.md: 74 ms), a pause that every stream in flight shares, and the
 collections that serving's own allocations trigger keep paying it. Frozen once loaded
 (``gc.freeze``: vLLM's engine core does the same after its start), they are never
 walked again; a collection walks only what serving allocated since.
