@@ -26,8 +26,8 @@ def complete(url: str, model: str) -> httpx.Response:
 
 @pytest.fixture
 def adapter_root(demo_model_dir):
-    """A host folder of adapter folders beside the demo model's (the node's pods do not
-    see this machine's /tmp), readable by the shard's user."""
+    """A host folder of adapter folders beside the demo model's, readable by the shard's
+    user (uid 10001; pytest's own folders are private to root), but for one file."""
     root = demo_model_dir.parent / f"e2e-loras-{uuid.uuid4().hex[:8]}"
     make_adapter(demo_model_dir, root / "alpha", seed=1, r=4, targets=["q_proj", "v_proj"], alpha=8)
     make_adapter(demo_model_dir, root / "private", seed=2, r=4, targets=["o_proj"], alpha=8)
