@@ -165,3 +165,48 @@ def test_a_swapped_layer_or_a_hook_gets_no_fused_step(demo_model):
     finally:
         handle.remove()
     assert fused_decode.build(model, cache, runner.decode_kernel, None) is not None
+
+
+def test_the_kernel_checks_its_parts_when_built_and_its_inputs_each_step():
+    """The step runs on raw pointers into its own buffers, so what it is given is checked
+    where it is given, naming what is wrong: a GEMM whose shape does not fit the model's
+    widths, a cache of the wrong shape, a slot or position outside the pool or the table."""
+    from kubeshard_shard.engine import kernels
+
+    built = kernels.module()
+    if built is None:
+        pytest.fail("the CPU kernels did not build here")
+    H, heads, kv_heads, D, inter, slots = 64, 4, 2, 16, 96, 32
+    cos_sin = torch.randn(2, 40, D)
+    fused = built.FusedDecode(cos_sin, torch.ones(H), 1e-6, heads, kv_heads, D, 16, D ** -0.5)
+
+    def gemm(n, k):
+        return fused.add_gemm(0, torch.randn(n, k) * 0.05, None, None, 0, None)
+
+    qkv, o, gate_up, down = gemm((heads + 2 * kv_heads) * D, H), gemm(H, heads * D), gemm(2 * inter, H), gemm(H, inter)
+    cache = [torch.zeros(slots, kv_heads, D) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="GEMMs' shapes do not fit"):
+        fused.add_layer(torch.ones(H), 1e-6, torch.ones(H), 1e-6, o, qkv, gate_up, down, *cache, None, None)
+    with pytest.raises(RuntimeError, match=r"caches \[slots, kv heads, head_dim\]"):
+        fused.add_layer(torch.ones(H), 1e-6, torch.ones(H), 1e-6, qkv, o, gate_up, down,
+                        torch.zeros(slots, heads, D), cache[1], None, None)
+    with pytest.raises(RuntimeError, match="an int4 weight needs its minimums"):
+        fused.add_gemm(2, torch.zeros(H, H // 2, dtype=torch.uint8), torch.ones(H, 2, dtype=torch.half), None, 32,
+                       None)
+    with pytest.raises(RuntimeError, match="must be multiples of 32"):
+        fused.add_gemm(1, torch.zeros(H, H, dtype=torch.int8), torch.ones(H, 3, dtype=torch.half), None, 48, None)
+    fused.add_layer(torch.ones(H), 1e-6, torch.ones(H), 1e-6, qkv, o, gate_up, down, *cache, None, None)
+
+    def step(position, slot):
+        return fused.run(torch.randn(1, H), torch.tensor([position]), torch.tensor([slot]),
+                         torch.zeros(1, 2, dtype=torch.int32), torch.tensor([position + 1], dtype=torch.int32))
+
+    assert step(3, 3).shape == (1, H)
+    assert cache[0][3].abs().sum() > 0, "the step wrote the token's key at its slot"
+    with pytest.raises(RuntimeError, match="slot 32 out of range"):
+        step(3, slots)
+    with pytest.raises(RuntimeError, match="position 40 out of range"):
+        step(40, 3)
+    with pytest.raises(RuntimeError, match="hidden has 32 columns, the model 64"):
+        fused.run(torch.randn(1, 32), torch.tensor([1]), torch.tensor([1]), torch.zeros(1, 2, dtype=torch.int32),
+                  torch.tensor([2], dtype=torch.int32))

@@ -178,11 +178,10 @@ void rope_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin)
 // cache's type like torch's copy; an int8 cache takes q = round(x / s), s = max|x| / 127
 // per (token, head), its scale in scale[slot, head].
 template <typename S, typename C>
-static void store_rows(const at::Tensor& x, at::Tensor& cache, float* scale, const int64_t* slots) {
+static void store_rows(const S* x, int64_t T_, int64_t H, int64_t D, int64_t st, int64_t sh,
+                       const at::Tensor& cache, float* scale, const int64_t* slots) {
   using RS = typename Elem<S>::raw;
-  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2);
-  const RS* xp = reinterpret_cast<const RS*>(x.data_ptr());
-  const int64_t st = x.stride(0), sh = x.stride(1);
+  const RS* xp = reinterpret_cast<const RS*>(x);
   at::parallel_for(0, T_ * H, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H, h = i % H;
@@ -205,14 +204,20 @@ static void store_rows(const at::Tensor& x, at::Tensor& cache, float* scale, con
 }
 
 template <typename S>
-static void store_any(const at::Tensor& x, at::Tensor& cache, float* scale, const int64_t* slots) {
+static void store_any(const S* x, int64_t T_, int64_t H, int64_t D, int64_t st, int64_t sh,
+                      const at::Tensor& cache, float* scale, const int64_t* slots) {
   switch (cache.scalar_type()) {
-    case at::kFloat: store_rows<S, float>(x, cache, scale, slots); break;
-    case at::kBFloat16: store_rows<S, at::BFloat16>(x, cache, scale, slots); break;
-    case at::kHalf: store_rows<S, at::Half>(x, cache, scale, slots); break;
-    case at::kChar: store_rows<S, int8_t>(x, cache, scale, slots); break;
+    case at::kFloat: store_rows<S, float>(x, T_, H, D, st, sh, cache, scale, slots); break;
+    case at::kBFloat16: store_rows<S, at::BFloat16>(x, T_, H, D, st, sh, cache, scale, slots); break;
+    case at::kHalf: store_rows<S, at::Half>(x, T_, H, D, st, sh, cache, scale, slots); break;
+    case at::kChar: store_rows<S, int8_t>(x, T_, H, D, st, sh, cache, scale, slots); break;
     default: TORCH_CHECK(false, "kv_store: the cache must be float32, bfloat16, float16 or int8");
   }
+}
+
+template <typename S>
+static void store_tensor(const at::Tensor& x, const at::Tensor& cache, float* scale, const int64_t* slots) {
+  store_any<S>(x.data_ptr<S>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1), cache, scale, slots);
 }
 
 void kv_store(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
@@ -237,8 +242,29 @@ void kv_store(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
     vs = v_scale->data_ptr<float>();
   }
   KS_DISPATCH_FLOATS(k.scalar_type(), "kv_store",
-    store_any<scalar_t>(k, k_cache, ks, sp);
-    store_any<scalar_t>(v, v_cache, vs, sp));
+    store_tensor<scalar_t>(k, k_cache, ks, sp);
+    store_tensor<scalar_t>(v, v_cache, vs, sp));
+}
+
+// ------------------------------------------------- raw forms (the fused decode step)
+// float32 through pointers into the step's own buffers: the same arithmetic as the
+// tensor entry points above (so the same bits; SwiGLU's is below), without their checks
+// and allocations, which the fused step makes once when it is built and once a step.
+void rms_norm_into(const float* x, const float* residual, const float* weight, float* out, float* rout,
+                   int64_t rows, int64_t H, double eps) {
+  rms_rows<float>(x, residual, weight, out, rout, rows, H, eps);
+}
+
+void rope_into(float* x, int64_t tokens, int64_t heads, int64_t D, int64_t stride_t, const int64_t* positions,
+               const float* cos_sin, int64_t P) {
+  rope_rows<float>(x, tokens, heads, D, stride_t, D, positions, cos_sin, P);
+}
+
+void kv_store_into(const float* k, const float* v, int64_t tokens, int64_t H, int64_t D, int64_t stride_t,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, float* k_scale, float* v_scale,
+                   const int64_t* slots) {
+  store_any<float>(k, tokens, H, D, stride_t, D, k_cache, k_scale, slots);
+  store_any<float>(v, tokens, H, D, stride_t, D, v_cache, v_scale, slots);
 }
 
 #pragma GCC pop_options
@@ -274,6 +300,12 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   KS_DISPATCH_FLOATS(gate_up.scalar_type(), "silu_mul",
     swiglu_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, I));
   return out;
+}
+
+
+// SwiGLU's raw form (see the raw forms above)
+void silu_mul_into(const float* gate_up, float* out, int64_t rows, int64_t I) {
+  swiglu_rows<float>(gate_up, out, rows, I);
 }
 
 }  // namespace ks

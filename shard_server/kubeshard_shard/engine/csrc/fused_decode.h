@@ -34,7 +34,9 @@ class FusedDecode {
     c10::optional<at::Tensor> scales, mins;
     int64_t group;
     c10::optional<at::Tensor> bias;
-    at::Tensor operator()(const at::Tensor& x) const;
+    int64_t N, K;
+    // y [M, N] = x [M, K] W^T (+ bias)
+    void operator()(const float* x, int64_t M, float* y) const;
   };
   struct Layer {
     at::Tensor input_norm;
@@ -49,6 +51,7 @@ class FusedDecode {
   double final_eps_;
   int64_t heads_, kv_heads_, head_dim_, block_size_;
   double scale_;
+  int64_t hidden_, intermediate_ = 0;  // the model's widths (the MLP's from the first layer)
   std::vector<Gemm> gemms_;
   std::vector<Layer> layers_;
 };

@@ -161,16 +161,7 @@ static void f32_tile(const float* x, int64_t K, const float* w, float* y, int64_
     }                                                                                \
   }
 
-at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-  check_2d(x, "gemm_f32 x", at::kFloat);
-  check_2d(w, "gemm_f32 weight", at::kFloat);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "gemm_f32: x has ", K, " columns, the weight ", w.size(1));
-  const float* b = bias_ptr(bias, N, "gemm_f32");
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void gemm_f32_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, const float* b, float* yp) {
   constexpr int64_t NR = F32_NR;
   const int64_t tiles = (N + NR - 1) / NR;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
@@ -180,6 +171,16 @@ at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) 
     KS_FOR_TILES(NR, F32_MR, KS_CALL)
 #undef KS_CALL
   });
+}
+
+at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  check_2d(x, "gemm_f32 x", at::kFloat);
+  check_2d(w, "gemm_f32 weight", at::kFloat);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "gemm_f32: x has ", K, " columns, the weight ", w.size(1));
+  const float* b = bias_ptr(bias, N, "gemm_f32");
+  auto y = at::empty({M, N}, x.options());
+  gemm_f32_into(x.data_ptr<float>(), M, K, w.data_ptr<float>(), N, b, y.data_ptr<float>());
   return y;
 }
 
@@ -227,8 +228,9 @@ static void pair_blocks(int16_t* q, int64_t M, int64_t K) {
     }
 }
 
-static QuantX quantize_x(const float* x, int64_t M, int64_t K, bool paired = false) {
-  QuantX out;
+// Into `out`, whose vectors keep their capacity from call to call (each GEMM's caller
+// passes its thread's, see scratch_x).
+static void quantize_x(QuantX& out, const float* x, int64_t M, int64_t K, bool paired = false) {
   const int64_t nb = K / 32;
   out.q.resize(M * K);
   out.d.resize(M * nb);
@@ -280,7 +282,13 @@ static QuantX quantize_x(const float* x, int64_t M, int64_t K, bool paired = fal
     out.err[r] = s - d * float(qs);
   }
   if (paired) pair_blocks(out.q.data(), M, K);
-  return out;
+}
+
+// The calling thread's QuantX: a decode step makes about a hundred GEMM calls, each of
+// which allocated six vectors before it reused one.
+static QuantX& scratch_x() {
+  static thread_local QuantX x;
+  return x;
 }
 
 #if defined(KS_AVX2)
@@ -765,11 +773,8 @@ static void q4_gemm512(const QuantX& qx, int64_t M, int64_t N, int64_t K, RowsAt
 
 // y = x W^T (+ bias) over W's rows: `rows(n)` reads W from its row n.
 template <typename RowsAt>
-static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const float* b, const QuantX& qx,
-                             RowsAt rows) {
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = at::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
+static void quant_gemm(int64_t M, int64_t K, int64_t N, int64_t G, const float* b, const QuantX& qx, RowsAt rows,
+                       float* yp) {
 #if defined(KS_AVX2)
   const bool one_group = G == K;
   const int shift = group_shift(G);
@@ -777,7 +782,7 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
 #if defined(KS_AVX512)
     if constexpr (std::is_same_v<decltype(rows(0)), Int4Rows>) {
       q4_gemm512(qx, M, N, K, rows, shift, one_group, yp, b);
-      return y;
+      return;
     }
 #endif
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
@@ -801,7 +806,7 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
 #undef KS_ROW
         }
     });
-    return y;
+    return;
   }
 #endif
   constexpr int64_t NR = 4;
@@ -811,12 +816,19 @@ static at::Tensor quant_gemm(const at::Tensor& x, int64_t N, int64_t G, const fl
     KS_FOR_TILES(NR, 2, KS_CALL)
 #undef KS_CALL
   });
-  return y;
 }
 
 static void check_groups(int64_t K, int64_t G, int64_t groups, const char* what) {
   TORCH_CHECK(K % 32 == 0 && G % 32 == 0 && K % G == 0 && groups == K / G, what, ": K (", K,
               ") and the group size (", G, ") must be multiples of 32, G dividing K");
+}
+
+void gemm_q8_into(const float* x, int64_t M, int64_t K, const int8_t* w, const uint16_t* scales, int64_t N,
+                  int64_t G, const float* b, float* y) {
+  QuantX& qx = scratch_x();
+  quantize_x(qx, x, M, K);
+  const int64_t ng = K / G;
+  quant_gemm(M, K, N, G, b, qx, [&](int64_t n) { return Int8Rows{w + n * K, scales + n * ng, K, ng}; }, y);
 }
 
 at::Tensor gemm_q8(at::Tensor x, at::Tensor w, at::Tensor scales, int64_t G,
@@ -828,11 +840,27 @@ at::Tensor gemm_q8(at::Tensor x, at::Tensor w, at::Tensor scales, int64_t G,
   TORCH_CHECK(w.size(1) == K && scales.size(0) == N, "gemm_q8: shapes do not match");
   check_groups(K, G, scales.size(1), "gemm_q8");
   const float* b = bias_ptr(bias, N, "gemm_q8");
-  const QuantX qx = quantize_x(x.data_ptr<float>(), M, K);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  auto y = at::empty({M, N}, x.options());
+  gemm_q8_into(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(),
+               reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), N, G, b, y.data_ptr<float>());
+  return y;
+}
+
+void gemm_q4_into(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* scales,
+                  const uint16_t* mins, int64_t N, int64_t G, const float* b, float* y) {
+#if defined(KS_AVX512)
+  const bool paired = G == K || group_shift(G) >= 0;  // q4_rows512 serves (quant_gemm)
+#else
+  const bool paired = false;
+#endif
+  QuantX& qx = scratch_x();
+  quantize_x(qx, x, M, K, paired);
+  // the per-group sums: every int4 path's minimums but q4_rows512's, which takes them
+  // per block (and per group only for one-group weights)
+  if (!paired || G == K) qx.group(M, K, G);
   const int64_t ng = K / G;
-  return quant_gemm(x, N, G, b, qx, [&](int64_t n) { return Int8Rows{wp + n * K, sp + n * ng, K, ng}; });
+  quant_gemm(M, K, N, G, b, qx,
+             [&](int64_t n) { return Int4Rows{w + n * (K / 2), scales + n * ng, mins + n * ng, K, ng}; }, y);
 }
 
 at::Tensor gemm_q4(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor mins, int64_t G,
@@ -846,19 +874,11 @@ at::Tensor gemm_q4(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor min
               "gemm_q4: shapes do not match");
   check_groups(K, G, scales.size(1), "gemm_q4");
   const float* b = bias_ptr(bias, N, "gemm_q4");
-#if defined(KS_AVX512)
-  const bool paired = G == K || group_shift(G) >= 0;  // q4_rows512 serves (quant_gemm)
-#else
-  const bool paired = false;
-#endif
-  QuantX qx = quantize_x(x.data_ptr<float>(), M, K, paired);
-  qx.group(M, K, G);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  const int64_t ng = K / G;
-  return quant_gemm(x, N, G, b, qx,
-                    [&](int64_t n) { return Int4Rows{wp + n * (K / 2), sp + n * ng, mp + n * ng, K, ng}; });
+  auto y = at::empty({M, N}, x.options());
+  gemm_q4_into(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(),
+               reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+               reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), N, G, b, y.data_ptr<float>());
+  return y;
 }
 
 // -------------------------------------------------------------------- dequantization

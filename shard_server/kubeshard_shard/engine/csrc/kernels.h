@@ -37,4 +37,30 @@ void kv_store(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
               c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
 at::Tensor silu_mul(at::Tensor gate_up);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(at::Tensor logits);
+
+// Raw forms for the fused decode step (float32 activations in its own buffers): the
+// arithmetic of the entry points above, bit for bit, without their argument checks and
+// output allocations (the step checks once when built and once a step). y [M, N] = x [M, K]
+// W^T (+ b); W's float16 scales (and int4's minimums) as their bits.
+void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* b, float* y);
+void gemm_q8_into(const float* x, int64_t M, int64_t K, const int8_t* w, const uint16_t* scales, int64_t N,
+                  int64_t G, const float* b, float* y);
+void gemm_q4_into(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* scales,
+                  const uint16_t* mins, int64_t N, int64_t G, const float* b, float* y);
+// rout = x + residual and out = RMSNorm(rout) (rout may be residual itself); residual
+// null: out = RMSNorm(x).
+void rms_norm_into(const float* x, const float* residual, const float* weight, float* out, float* rout,
+                   int64_t rows, int64_t H, double eps);
+// heads of D values at x + t * stride_t + h * D, rotated in place
+void rope_into(float* x, int64_t tokens, int64_t heads, int64_t D, int64_t stride_t, const int64_t* positions,
+               const float* cos_sin, int64_t P);
+void kv_store_into(const float* k, const float* v, int64_t tokens, int64_t H, int64_t D, int64_t stride_t,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, float* k_scale, float* v_scale,
+                   const int64_t* slots);
+void silu_mul_into(const float* gate_up, float* out, int64_t rows, int64_t I);
+// out [B, Hq, D] contiguous; sequence b's queries at q + b * q_row
+void paged_decode_into(float* out, const float* q, int64_t B, int64_t Hq, int64_t D, int64_t q_row,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, const float* k_scale,
+                       const float* v_scale, const int32_t* tables, int64_t max_blocks, const int32_t* lens,
+                       int64_t block_size, double scale);
 }  // namespace ks

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "simd.h"
 
 // kW floats, the CPU's vector width: 16 with AVX-512, 8 otherwise. GCC lowers the
@@ -101,6 +102,7 @@ struct Args {
   const int32_t *tables, *lens;
   int64_t Hq, Hkv, G, max_blocks, row, block_size;
   float scale;
+  int64_t q_row;  // values from one sequence's queries to the next's (Hq * D when contiguous)
 };
 
 // One (sequence, KV head) pair: the G query heads that share the head's K/V rows.
@@ -115,7 +117,7 @@ static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<
   constexpr int kLine = 64 / (kW * sizeof(KV)) > 0 ? 64 / (kW * sizeof(KV)) : 1;  // kW-value chunks per cache line
   const int64_t G = a.G, L = a.lens[b], bs = a.block_size;
   const int32_t* table = a.tables + b * a.max_blocks;
-  const Q* qh = a.q + (b * a.Hq + h * G) * D;
+  const Q* qh = a.q + b * a.q_row + h * G * D;
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) storev(qs + g * D + kW * c, loadv(qh + g * D + kW * c) * a.scale);
   scores.resize(G * L);
@@ -207,15 +209,24 @@ static void dispatch(const Args<Q, KV>& a, int64_t B, int64_t D) {
 }
 
 template <typename Q, typename KV>
+static void run(Q* out, const Q* q, int64_t B, int64_t Hq, int64_t D, int64_t q_row, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const float* ks, const float* vs, const int32_t* tables,
+                int64_t max_blocks, const int32_t* lens, int64_t block_size, double scale) {
+  const int64_t Hkv = k_cache.size(1);
+  Args<Q, KV> a{q, reinterpret_cast<const KV*>(k_cache.data_ptr()), reinterpret_cast<const KV*>(v_cache.data_ptr()),
+                ks, vs, out, tables, lens, Hq, Hkv, Hq / Hkv, max_blocks, Hkv * D, block_size,
+                static_cast<float>(scale), q_row};
+  dispatch(a, B, D);
+}
+
+template <typename Q, typename KV>
 static void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const float* ks, const float* vs, const at::Tensor& block_tables, const at::Tensor& context_lens,
                 int64_t block_size, double scale) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  Args<Q, KV> a{reinterpret_cast<const Q*>(q.data_ptr()), reinterpret_cast<const KV*>(k_cache.data_ptr()),
-                reinterpret_cast<const KV*>(v_cache.data_ptr()), ks, vs, reinterpret_cast<Q*>(out.data_ptr()),
-                block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), Hq, Hkv, Hq / Hkv,
-                block_tables.size(1), Hkv * D, block_size, static_cast<float>(scale)};
-  dispatch(a, B, D);
+  const int64_t Hq = q.size(1), D = q.size(2);
+  run<Q, KV>(reinterpret_cast<Q*>(out.data_ptr()), reinterpret_cast<const Q*>(q.data_ptr()), q.size(0), Hq, D,
+             Hq * D, k_cache, v_cache, ks, vs, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+             context_lens.data_ptr<int32_t>(), block_size, scale);
 }
 
 // out, q: [B, Hq, D]; k_cache, v_cache: [slots, Hkv, D] (slot = block * block_size + offset);
@@ -269,3 +280,21 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v
   paged_decode_scaled(out, q, k_cache, v_cache, c10::nullopt, c10::nullopt, block_tables, context_lens, block_size,
                       scale);
 }
+
+namespace ks {
+void paged_decode_into(float* out, const float* q, int64_t B, int64_t Hq, int64_t D, int64_t q_row,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, const float* ks, const float* vs,
+                       const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t block_size,
+                       double scale) {
+#define KS_RUN(KV) run<float, KV>(out, q, B, Hq, D, q_row, k_cache, v_cache, ks, vs, tables, max_blocks, lens, \
+                                  block_size, scale)
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: KS_RUN(float); break;
+    case at::kBFloat16: KS_RUN(BF16); break;
+    case at::kHalf: KS_RUN(F16); break;
+    case at::kChar: KS_RUN(int8_t); break;
+    default: TORCH_CHECK(false, "paged_decode: float32, bfloat16, float16 or int8 caches only");
+  }
+#undef KS_RUN
+}
+}  // namespace ks
