@@ -168,7 +168,8 @@ def test_requests_are_held_while_a_model_has_no_ready_replica(make_router):
     results: list = []
     t = post_in_thread(h.url + "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, results)
     assert wait_for(lambda: h.state.activator.waiting.get("stub") == 1)
-    assert hook.calls == ["stub"]
+    # the activator counts the request, then runs the scale-up hook as a task of its own
+    assert wait_for(lambda: hook.calls == ["stub"]), hook.calls
     assert 'kubeshard_router_queued{model="stub"} 1.0' in httpx.get(h.url + "/metrics").text
     h.stub().behaviour.serving = True  # the replica comes up: the held request goes through
     t.join()
