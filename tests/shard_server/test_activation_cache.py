@@ -52,7 +52,9 @@ def test_greedy_identical_from_redis_local_cache_or_computed(demo_model, redis_u
     assert generate(first, prompts[1:2]) == want[1:2]          # the local prefix cache
     assert first.stats().activation_cache.hit_blocks == 0
 
-    fresh = engine(model, redis_url)                           # a replica that never saw it
+    # a replica that never saw it; waiting up to 10 s for Redis (the default 1 s passed
+    # with the fetch still running in a CI run under load: a miss, and this test failed)
+    fresh = engine(model, redis_url, timeout_s=10.0)
     assert generate(fresh, prompts[1:]) == want[1:]            # three at once: one fetch
     stats = fresh.stats()
     a = stats.activation_cache
