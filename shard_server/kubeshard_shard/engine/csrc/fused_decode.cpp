@@ -59,9 +59,8 @@ int64_t FusedDecode::add_gemm(int64_t kind, at::Tensor w, c10::optional<at::Tens
     TORCH_CHECK(scales.has_value(), "FusedDecode.add_gemm: a quantized weight needs its scales");
     TORCH_CHECK(kind != kQ4 || mins.has_value(), "FusedDecode.add_gemm: an int4 weight needs its minimums");
     check_2d(*scales, "FusedDecode.add_gemm scales", at::kHalf);
-    TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0 && scales->size(0) == N &&
-                scales->size(1) == K / group, "FusedDecode.add_gemm: K (", K, ") and the group size (", group,
-                ") must be multiples of 32, the group dividing K, with a scale per group of each row");
+    TORCH_CHECK(scales->size(0) == N, "FusedDecode.add_gemm: a row of scales per row of the weight");
+    check_groups(K, group, scales->size(1), "FusedDecode.add_gemm");
     if (kind == kQ4) {
       check_2d(*mins, "FusedDecode.add_gemm minimums", at::kHalf);
       TORCH_CHECK(mins->sizes() == scales->sizes(), "FusedDecode.add_gemm: a minimum per scale");

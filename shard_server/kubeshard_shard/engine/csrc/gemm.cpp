@@ -823,11 +823,6 @@ static void quant_gemm(int64_t M, int64_t K, int64_t N, int64_t G, const float* 
   });
 }
 
-static void check_groups(int64_t K, int64_t G, int64_t groups, const char* what) {
-  TORCH_CHECK(K % 32 == 0 && G % 32 == 0 && K % G == 0 && groups == K / G, what, ": K (", K,
-              ") and the group size (", G, ") must be multiples of 32, G dividing K");
-}
-
 void gemm_q8_into(const float* x, int64_t M, int64_t K, const int8_t* w, const uint16_t* scales, int64_t N,
                   int64_t G, const float* b, float* y) {
   QuantX& qx = scratch_x();

@@ -24,6 +24,13 @@ inline const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, c
   return bias->data_ptr<float>();
 }
 
+// A quantized W's K and group size G (multiples of 32, G dividing K) and its `groups`
+// scales a row, named as `what` when wrong.
+inline void check_groups(int64_t K, int64_t G, int64_t groups, const char* what) {
+  TORCH_CHECK(G > 0 && K % 32 == 0 && G % 32 == 0 && K % G == 0 && groups == K / G, what, ": K (", K,
+              ") and the group size (", G, ") must be multiples of 32, G dividing K");
+}
+
 at::Tensor gemm_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 at::Tensor gemm_f32_packed(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 at::Tensor gemm_q8(at::Tensor x, at::Tensor w, at::Tensor scales, int64_t G, c10::optional<at::Tensor> bias);
