@@ -47,9 +47,15 @@ def test_template_applies_with_server_side_dry_run(cluster, kubeshard, namespace
 
 def test_helm_test_calls_the_router_health(cluster, kubeshard):
     out = cluster.helm("test", kubeshard.name, "-n", kubeshard.namespace, "--timeout", "2m",
-                       timeout=180)
+                       timeout=180, check=False)
+    # A pod that succeeded is deleted by its hook policy (so no `helm test --logs`); a
+    # failed one stays, and its log (each try's wget error) goes into the message.
+    pod = kubeshard.component("test-health")
+    logs = "" if out.returncode == 0 else cluster.kubectl("logs", pod, "-n", kubeshard.namespace,
+                                                          check=False).stdout
+    assert out.returncode == 0, f"helm test failed:\n{out.stdout}\n{out.stderr}\n--- {pod} log ---\n{logs}"
     test_suite = out.stdout[out.stdout.index("TEST SUITE:"):]
-    assert kubeshard.component("test-health") in test_suite
+    assert pod in test_suite
     assert "Phase:          Succeeded" in test_suite
 
 
