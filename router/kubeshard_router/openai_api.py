@@ -321,7 +321,8 @@ async def load_lora_adapter(request: Request) -> Response:
     path = state.admin.lora_path(body.lora_path)
     model = state.intake.resolve(body.model)
     await _each_replica(model, lambda client: client.load_adapter(body.lora_name, path))
-    model.runtime_adapters[body.lora_name] = path  # replicas that start later load it too
+    # replicas that start later, through whichever router, load it too
+    await state.registry.runtime_adapters.loaded(model, body.lora_name, path)
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
 
@@ -330,5 +331,5 @@ async def unload_lora_adapter(request: Request) -> Response:
     state, body = await _lora_change(request)
     model = state.intake.resolve(body.model)
     await _each_replica(model, lambda client: client.unload_adapter(body.lora_name))
-    model.runtime_adapters.pop(body.lora_name, None)
+    await state.registry.runtime_adapters.unloaded(model, body.lora_name)
     return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")

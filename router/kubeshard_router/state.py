@@ -14,6 +14,7 @@ from kubeshard_router.activation import Activator, LoggingScaleUpHook, ScaleUpHo
 from kubeshard_router.admin import AdminPolicy
 from kubeshard_router.auth import ApiKeys, KeyFileWatcher, SecretKeyWatcher
 from kubeshard_router.backends.registry import Registry
+from kubeshard_router.backends.runtime_adapters import RuntimeAdapters
 from kubeshard_router.backends.source import BackendSource
 from kubeshard_router.balancer import Balancer
 from kubeshard_router.cache import ResponseCache
@@ -45,19 +46,20 @@ class RouterState:
         self.config = config
         self.sources = sources
         self.metrics = RouterMetrics()
-        self.registry = Registry(config)
+        self.store: Optional[RedisStore] = None
+        if config.redis_url:
+            self.store = RedisStore(config.redis_url, timeout_s=config.redis_timeout_s,
+                                    retry_s=config.redis_retry_s,
+                                    on_error=lambda op: self.metrics.redis_errors.labels(op).inc())
+        self.registry = Registry(config, runtime_adapters=RuntimeAdapters(self.store))
         self.balancer = Balancer(mode=balance_mode, affinity_blocks=config.affinity_blocks,
                                  load_factor=config.load_factor)
         self.activator = Activator(hook or platform_hook(sources), max_waiting=config.max_queue_per_model,
                                    timeout_s=config.activation_timeout_s,
                                    on_scale_up=lambda m: self.metrics.scale_up_calls.labels(m).inc())
         self.dispatcher = Dispatcher(self.registry, self.balancer, self.activator, self.metrics, config)
-        self.store: Optional[RedisStore] = None
         cache: Optional[ResponseCache] = None
-        if config.redis_url:
-            self.store = RedisStore(config.redis_url, timeout_s=config.redis_timeout_s,
-                                    retry_s=config.redis_retry_s,
-                                    on_error=lambda op: self.metrics.redis_errors.labels(op).inc())
+        if self.store is not None:
             cache = ResponseCache(self.store, ttl_s=config.cache_ttl_s,
                                   max_entry_bytes=config.cache_max_entry_bytes)
         self.generation = GenerationService(self.dispatcher, cache, self.metrics)

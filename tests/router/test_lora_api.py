@@ -3,7 +3,8 @@ made here): `model: "<adapter>"` (OpenAI) and `adapter_id` (TGI) give transforme
 tokens; a request for an adapter goes only to the replicas that serve it; two adapters in
 one batch through the router; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
 are off unless enabled, admin-only under API keys and confined to --lora-root, and a
-replica that starts after a runtime load gets the adapter too; the cache key and prefix
+replica that starts after a runtime load gets the adapter too, also from a router that
+did not take the load (through Redis); the cache key and prefix
 affinity include the adapter; a live engine reports vllm:lora_requests_info.
 
 Layout: replica A starts with `alpha`; replica B's port is given to the router from the
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
 from kubeshard_proto import pb
 from kubeshard_router.balancer import Balancer
@@ -285,6 +287,40 @@ def test_unload_at_run_time(setup, late_b):
     assert r.status_code == 200
     assert "gamma" not in [m["id"] for m in httpx.get(url + "/models", headers=USER).json()["data"]]
     assert "gamma" not in _adapters_of(setup.a) and "gamma" not in _adapters_of(late_b)
+
+
+def test_a_router_that_did_not_take_the_load_replays_it_from_redis(setup, late_b, redis_url):
+    """Router 3 (with Redis) takes a runtime load and goes (the HPA scaled it down); router
+    4, started after it over the same Redis, loads the adapter on replica C, which starts
+    after that; router 4's unload reaches Redis and both replicas."""
+    lora = ("--allow-runtime-lora", "--lora-root", str(setup.root), "--redis-url", redis_url,
+            "--health-interval", "0.5")
+    key = "kubeshard:demo:lora"
+    third = start_router("--backend", f"demo={setup.a.address}", *lora)
+    try:
+        r = httpx.post(third.url + "/v1/load_lora_adapter", headers=NO_CACHE, timeout=60,
+                       json={"lora_name": "gamma", "lora_path": setup.paths["gamma"]})
+        assert r.status_code == 200, r.text
+    finally:
+        third.stop()
+    assert redis.Redis.from_url(redis_url).hget(key, "gamma") == setup.paths["gamma"].encode()
+    c_port = free_port()
+    fourth = start("kubeshard-router", [
+        sys.executable, "-m", "kubeshard_router.cli", "--host", "127.0.0.1", "--port", "0",
+        "--backend", f"demo={setup.a.address},127.0.0.1:{c_port}", *lora], UVICORN_UP, timeout=120)
+    c = _shard(setup.model_dir, setup.root, port=c_port)
+    try:
+        assert wait_for(lambda: _adapters_of(c) == ["gamma"], timeout=60), _adapters_of(c)
+        assert wait_for(lambda: f"replica 127.0.0.1:{c_port}: LoRA adapter gamma loaded again" in fourth.output,
+                        timeout=10), fourth.output
+        r = httpx.post(fourth.url + "/v1/unload_lora_adapter", headers=NO_CACHE, timeout=60,
+                       json={"lora_name": "gamma"})
+        assert r.status_code == 200, r.text
+        assert redis.Redis.from_url(redis_url).hgetall(key) == {b"": b""}
+        assert "gamma" not in _adapters_of(setup.a) and _adapters_of(c) == []
+    finally:
+        c.stop()
+        fourth.stop()
 
 
 def test_cache_key_and_prefix_affinity_include_the_adapter():

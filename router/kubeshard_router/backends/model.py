@@ -117,8 +117,8 @@ class ModelState:
         self.admission = Admission(name, max_queue=config.max_queue_per_model,
                                    queue_timeout_s=config.queue_timeout_s)
         self.load = LoadTracker()
-        # LoRA adapters loaded through this router at run time (name -> folder), loaded again
-        # on a replica that becomes ready without them (registry probe); kept in memory
+        # LoRA adapters loaded at run time (name -> folder), loaded again on a replica that
+        # becomes ready without them (registry probe); shared through Redis (runtime_adapters.py)
         self.runtime_adapters: dict[str, str] = {}
 
     @property

@@ -20,6 +20,7 @@ from kubeshard_router.backends.engine import Generator
 from kubeshard_router.backends.grpc_client import ReplicaClient
 from kubeshard_router.backends.model import ModelState, Replica
 from kubeshard_router.backends.openai_http import OpenAIEngine
+from kubeshard_router.backends.runtime_adapters import RuntimeAdapters
 from kubeshard_router.config import RouterConfig
 
 log = logging.getLogger("kubeshard.router.backends")
@@ -27,8 +28,10 @@ log = logging.getLogger("kubeshard.router.backends")
 
 class Registry:
     def __init__(self, config: RouterConfig, *,
-                 client_factory: Callable[[str], ReplicaClient] | None = None) -> None:
+                 client_factory: Callable[[str], ReplicaClient] | None = None,
+                 runtime_adapters: RuntimeAdapters | None = None) -> None:
         self.config = config
+        self.runtime_adapters = runtime_adapters or RuntimeAdapters()
         self.models: dict[str, ModelState] = {}
         self._client_factory = client_factory or (lambda addr: ReplicaClient(
             addr, info_timeout_s=config.info_timeout_s, health_timeout_s=config.connect_timeout_s))
@@ -128,6 +131,8 @@ class Registry:
                              replica.model.name, replica.address, info.model_id, info.revision,
                              info.device_type, info.max_input_tokens, info.max_total_tokens)
                 health = await replica.client.health()
+                if health.serving and not replica.ready:  # what to replay: Redis may know more
+                    await self.runtime_adapters.sync(replica.model)
                 if health.serving and not replica.ready and (replica.model.runtime_adapters or not fresh):
                     await self._refresh(replica, replay=True)  # it may have restarted: Info again, adapters replayed
                 elif health.serving and frozenset(health.adapters) != replica.adapters:

@@ -1,0 +1,83 @@
+"""The runtime LoRA adapters' book (backends/runtime_adapters.py) against a real
+redis-server: two routers share it, one's unload reaches the other, and a load made
+while Redis is down stays in memory and is written when it answers again. (Through real
+routers and shard servers: tests/router/test_lora_api.py.)"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from kubeshard_router.backends.model import ModelState
+from kubeshard_router.backends.runtime_adapters import RuntimeAdapters, adapters_key
+from kubeshard_router.config import RouterConfig
+from kubeshard_router.redis_store import RedisStore
+
+CONFIG = RouterConfig(backends={"demo": ("127.0.0.1:1",)})
+
+
+def _router(url: str) -> tuple[RuntimeAdapters, ModelState]:
+    """One router's book and its own copy of the model's state."""
+    return RuntimeAdapters(RedisStore(url, timeout_s=1.0, retry_s=0.0)), ModelState("demo", CONFIG)
+
+
+def _stored(url: str) -> dict[str, str]:
+    raw = redis.Redis.from_url(url).hgetall(adapters_key("demo"))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def test_two_routers_share_loads_and_unloads(redis_url):
+    one, model_one = _router(redis_url)
+    two, model_two = _router(redis_url)
+    await one.loaded(model_one, "alpha", "/lora/alpha")
+    await one.loaded(model_one, "beta", "/lora/beta")
+    assert _stored(redis_url) == {"alpha": "/lora/alpha", "beta": "/lora/beta", "": ""}
+    assert model_two.runtime_adapters == {}
+    assert await two.sync(model_two) == {"alpha": "/lora/alpha", "beta": "/lora/beta"}
+    await two.unloaded(model_two, "alpha")
+    assert await one.sync(model_one) == {"beta": "/lora/beta"}  # Redis is the truth when it answers
+    assert _stored(redis_url) == {"beta": "/lora/beta", "": ""}
+    assert adapters_key("demo") == "kubeshard:demo:lora"  # under the operator's clean-up pattern
+
+
+async def test_a_change_while_redis_is_down_is_kept_and_written_later(redis_url, redis_server, caplog):
+    one, model = _router(redis_url)
+    await one.loaded(model, "alpha", "/lora/alpha")
+    redis_server.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kubeshard.router.backends"):
+            await one.loaded(model, "gamma", "/lora/gamma")
+            await one.unloaded(model, "alpha")
+        assert "runtime LoRA adapters ['alpha', 'gamma'] kept in this router's memory only" in caplog.text
+        # what replicas becoming ready now get: this router's memory
+        assert await one.sync(model) == {"gamma": "/lora/gamma"}
+    finally:
+        redis_server.start()
+    assert _stored(redis_url) == {}  # restarted without persistence: it lost the hash too
+    assert await one.sync(model) == {"gamma": "/lora/gamma"}  # the missed changes written, then read
+    assert _stored(redis_url) == {"gamma": "/lora/gamma", "": ""}
+    other, other_model = _router(redis_url)
+    assert await other.sync(other_model) == {"gamma": "/lora/gamma"}
+
+
+async def test_a_router_writes_back_what_a_redis_that_lost_its_data_forgot(redis_url, redis_server):
+    one, model = _router(redis_url)
+    await one.loaded(model, "alpha", "/lora/alpha")
+    await one.unloaded(model, "alpha")
+    assert _stored(redis_url) == {"": ""}  # every adapter unloaded: the hash stays, empty
+    two, model_two = _router(redis_url)
+    await two.loaded(model_two, "beta", "/lora/beta")
+    redis_server.flushall()  # what a restart without persistence leaves
+    assert await one.sync(model) == {}  # nothing in its memory to give back
+    assert await two.sync(model_two) == {"beta": "/lora/beta"}
+    assert _stored(redis_url) == {"beta": "/lora/beta", "": ""}
+    assert await one.sync(model) == {"beta": "/lora/beta"}
+
+
+async def test_without_redis_the_book_is_this_routers_memory():
+    book, model = RuntimeAdapters(), ModelState("demo", CONFIG)
+    await book.loaded(model, "alpha", "/lora/alpha")
+    assert await book.sync(model) == {"alpha": "/lora/alpha"}
+    await book.unloaded(model, "alpha")
+    assert await book.sync(model) == {}
