@@ -80,7 +80,11 @@ def _source_text() -> str:
 
 
 def _build_dir(flags: str) -> Path:
-    key = hashlib.sha256((_source_text() + flags + torch.__version__).encode()).hexdigest()[:16]
+    # The folder of the sources counts too: torch's build also keys on the sources' paths,
+    # so two checkouts of the same sources sharing one folder (a CI clone beside the working
+    # tree) rebuilt it for each other in turn, each waiting on the other's build lock.
+    key = hashlib.sha256((_source_text() + flags + torch.__version__ + str(CSRC.resolve())).encode()
+                         ).hexdigest()[:16]
     path = cache_root() / "kernels" / f"cpu_{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
