@@ -64,9 +64,9 @@ class _Shapes:
             choice.update(extra)
         return sse_event({**self.base, "choices": [choice]})
 
-    def tool_chunk(self, calls: list[dict], first: int, index: int) -> bytes:
-        """One delta with finished calls; TGI's shape (model "tgi") is one object per delta."""
-        items = [{"index": first + k, **call} for k, call in enumerate(calls)]
+    def tool_chunk(self, items: list[dict], index: int) -> bytes:
+        """One delta with tool-call items (ToolStream's); TGI's shape (model "tgi") is one
+        object per delta."""
         out = b""
         for group in ([[item] for item in items] if self.plan.tgi_shapes else [items]):
             delta = {"role": "assistant", "content": None,
@@ -102,22 +102,22 @@ async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: Open
     left = plan.engine.n
 
     def content(i: int, emit: str, final: bool = False) -> tuple[str, bytes]:
-        """Text to stream as content, and the tool-call deltas it closed."""
+        """Text to stream as content, and the tool-call deltas that came with it."""
         if not parse:
             return emit, b""
         stream = calls[i]
-        before = stream.calls
-        text, done = stream.feed(emit)
+        text, items = stream.feed(emit)
         if final:
             rest, late = stream.finish()
-            text, done = text + rest, done + late
-        return text, shapes.tool_chunk(done, before, i) if done else b""
+            text, items = text + rest, items + late
+        return text, shapes.tool_chunk(items, i) if items else b""
     async for t in tokens:
         i = t.sequence
         out = b""
         if i not in trimmers:
             trimmers[i], texts[i] = StopTrimmer(plan.stop, plan.keep_stop), ""
-            calls[i] = ToolStream(f"call_{ctx.request_id[:16]}-{i}", plan.tools.format if parse else FORMATS["hermes"])
+            calls[i] = ToolStream(f"call_{ctx.request_id[:16]}-{i}", plan.tools.format if parse else FORMATS["hermes"],
+                                  incremental=not plan.tgi_shapes)
             extra = ({"prompt_logprobs": prompt_logprobs(t)} if plan.prompt_logprobs is not None and i == 0
                      and t.prefill else None)
             if chat:

@@ -22,6 +22,9 @@ from typing import Any, Optional
 
 _DECODER = json.JSONDecoder()
 _SEPARATOR = re.compile(r"\s*;\s*")
+# a call's JSON up to its arguments' value: its name (a JSON string) comes first, as each
+# format's grammar writes it
+_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 
 
 def _object(text: str, start: int) -> Optional[tuple[Any, int]]:
@@ -40,6 +43,7 @@ class ToolFormat:
     separator = "\n"          # between calls, for required / named
     markers: frozenset[str] = frozenset()
     key = "arguments"         # the arguments' key in a call's JSON
+    head: Optional[re.Pattern] = None  # from an opening to its call's arguments (streamed_head)
 
     def open_at(self, text: str) -> int:
         """Where the first call may begin in ``text`` (-1: nowhere)."""
@@ -55,6 +59,19 @@ class ToolFormat:
         """``text`` starts at an opening: the calls there ({"name", "arguments"}; none when
         malformed) and the characters they used, or None while the text is incomplete."""
         raise NotImplementedError
+
+    def streamed_head(self, text: str) -> Optional[tuple[str, int]]:
+        """``text`` starts at an opening: the name of the call there and where its
+        arguments begin, once the text has come that far (the arguments streamed piece by
+        piece start there); None before that, or when the call does not begin with its
+        name (it is then sent whole, once closed)."""
+        m = self.head.match(text) if self.head is not None else None
+        if m is None:
+            return None
+        try:
+            return json.loads(m.group(1)), m.end()
+        except json.JSONDecodeError:
+            return None
 
     def begin(self, name: str) -> str:
         raise NotImplementedError
@@ -83,6 +100,7 @@ class ToolFormat:
 
 class Hermes(ToolFormat):
     name, trigger, close = "hermes", "<tool_call>", "</tool_call>"
+    head = re.compile(r"<tool_call>\s*" + _NAME_THEN_ARGUMENTS)
 
     def take(self, text, final):
         end = text.find(self.close)
@@ -111,6 +129,7 @@ class Llama3Json(ToolFormat):
     name, trigger, separator, key = "llama3_json", '{"name": ', "; ", "parameters"
     markers = frozenset({"<|python_tag|>"})
     _open = re.compile(r'<\|python_tag\|>|\{\s*"name"\s*:')
+    head = re.compile(r"(?:<\|python_tag\|>)?\s*" + _NAME_THEN_ARGUMENTS)
 
     def open_at(self, text):
         m = self._open.search(text)
@@ -148,6 +167,7 @@ class Llama3Json(ToolFormat):
 class Mistral(ToolFormat):
     name, trigger, separator = "mistral", "[TOOL_CALLS]", ""
     markers = frozenset({"[TOOL_CALLS]"})
+    head = re.compile(r"\[TOOL_CALLS\]\s*\[\s*" + _NAME_THEN_ARGUMENTS)  # the array's first call
 
     def take(self, text, final):
         found = _object(text, len(self.trigger))

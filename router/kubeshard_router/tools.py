@@ -13,8 +13,11 @@ each call's arguments held to its JSON schema:
 - a named function: exactly one call of that function;
 - ``none``: no grammar, the text is the answer.
 
-``ToolStream`` turns streamed text into content deltas and, once a call is closed, one
-``tool_calls`` delta carrying the call whole (name and arguments).
+``ToolStream`` turns streamed text into content deltas and ``tool_calls`` delta items:
+as OpenAI and vLLM stream them, a call's first item carries its id and name once the
+model has written the name, and its arguments follow piece by piece as the model writes
+them (their concatenation is the arguments' JSON text); TGI's older shape, and a call
+that does not begin with its name, gets one item with the call whole once it is closed.
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ def tool_grammar(plan: ToolPlan) -> Optional[GrammarRequest]:
 
 
 def _as_openai(call: dict, index: int, call_id: str) -> dict:
-    return {"id": f"{call_id}-{index}", "type": "function",
+    return {"index": index, "id": f"{call_id}-{index}", "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
 
@@ -150,21 +153,61 @@ def parse_calls(text: str, call_id: str, fmt: ToolFormat = FORMATS["hermes"]) ->
     content, calls = content + rest, calls + late
     if not calls:
         return text, []
-    return content.strip() or None, calls
+    return content.strip() or None, [{k: v for k, v in call.items() if k != "index"} for call in calls]
+
+
+class _Arguments:
+    """A streamed call's arguments (a JSON object or array) in the stream's buffer: where
+    they start, how far they were sent, and where they end, found as their text comes
+    by counting brackets outside strings (no JSON library parses a value in pieces)."""
+
+    def __init__(self, start: int) -> None:
+        self.sent = self.scanned = start
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.end = -1  # just past the value, once it is whole
+
+    def known(self, text: str) -> int:
+        """How far ``text`` is the arguments' text: their end, or all of it before that."""
+        i = self.scanned
+        while self.end < 0 and i < len(text):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i + 1
+            i += 1
+        self.scanned = i
+        return self.end if self.end >= 0 else i
 
 
 class ToolStream:
-    """Streamed text in, (content delta, finished calls) out."""
+    """Streamed text in, (content delta, ``tool_calls`` delta items) out; each item has its
+    call's ``index``. ``incremental``: a call's arguments stream as they come (else each
+    call comes whole, once closed: parse_calls, TGI's shape)."""
 
-    def __init__(self, call_id: str, fmt: ToolFormat = FORMATS["hermes"]) -> None:
+    def __init__(self, call_id: str, fmt: ToolFormat = FORMATS["hermes"], incremental: bool = False) -> None:
         self.call_id = call_id
         self.format = fmt
+        self.incremental = incremental
         self.buffer = ""
-        self.calls = 0
+        self.calls = 0  # calls closed
+        self._open: Optional[_Arguments] = None  # the arguments of the call being streamed
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.buffer += text
-        content, calls = "", []
+        content, items = "", []
         while True:
             start = self.format.open_at(self.buffer)
             if start < 0:
@@ -172,22 +215,55 @@ class ToolStream:
                 cut = len(self.buffer) - hold
                 content += self.buffer[:cut]
                 self.buffer = self.buffer[cut:]
-                return content, calls
+                return content, items
             content += self.buffer[:start]
             self.buffer = self.buffer[start:]
             taken = self.format.take(self.buffer, final)
             if taken is None:  # the call is not closed yet
-                return content, calls
+                if self.incremental:
+                    items += self._stream(self.buffer)
+                return content, items
             found, used = taken
+            streamed = self._open is not None
+            if streamed:
+                items += self._stream(self.buffer[:used])  # the rest of its arguments
+                self._open = None
+                if found:  # it is the first of them, sent already
+                    self.calls += 1
+                    found = found[1:]
             for call in found:
-                calls.append(_as_openai(call, self.calls, self.call_id))
+                items.append(_as_openai(call, self.calls, self.call_id))
                 self.calls += 1
-            if not found:  # not a call after all: it stays text
+            if not found and not streamed:  # not a call after all: it stays text
                 content += self.buffer[:used]
             self.buffer = self.buffer[used:]
 
+    def _stream(self, text: str) -> list[dict]:
+        """The items of the open call in ``text`` (which starts at its opening) not sent yet."""
+        items = []
+        index = self.calls
+        if self._open is None:
+            head = self.format.streamed_head(text)
+            if head is None or head[1] >= len(text) or text[head[1]] not in "{[":
+                return []  # not yet (or not a call that begins with its name: it goes whole)
+            name, start = head
+            self._open = _Arguments(start)
+            items.append({"index": index, "id": f"{self.call_id}-{index}", "type": "function",
+                          "function": {"name": name, "arguments": ""}})
+        args = self._open
+        known = args.known(text)
+        if known > args.sent:
+            piece, args.sent = text[args.sent:known], known
+            if items:
+                items[0]["function"]["arguments"] = piece
+            else:
+                items.append({"index": index, "function": {"arguments": piece}})
+        return items
+
     def finish(self) -> tuple[str, list[dict]]:
-        """What is still held once the answer ended: a call that never closed is text."""
-        content, calls = self.feed("", final=True)
-        rest, self.buffer = content + self.buffer, ""
-        return rest, calls
+        """What is still held once the answer ended: a call that never closed is text
+        (unless part of it was streamed as a call: its arguments stay cut short)."""
+        content, items = self.feed("", final=True)
+        rest = content if self._open is not None else content + self.buffer
+        self.buffer, self._open = "", None
+        return rest, items

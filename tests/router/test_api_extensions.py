@@ -293,7 +293,7 @@ def test_openai_client_tool_calls_required_named_and_streamed(client, model):
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     _check_call(call)
-    # streamed: the deltas add up to the same calls
+    # streamed: the arguments come piece by piece, and the deltas add up to the same calls
     stream = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
                                             tool_choice="required", max_tokens=200, temperature=0, stream=True)
     calls: dict[int, dict] = {}
@@ -302,11 +302,14 @@ def test_openai_client_tool_calls_required_named_and_streamed(client, model):
         for c in chunk.choices:
             finish = c.finish_reason or finish
             for d in c.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+                entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None, "deltas": 0})
+                assert (d.id is not None) == (entry["deltas"] == 0)  # the id (and name) once, first
                 entry["id"] = d.id or entry["id"]
                 entry["name"] += d.function.name or ""
                 entry["arguments"] += d.function.arguments or ""
+                entry["deltas"] += 1
     assert finish == "tool_calls"
+    assert all(c["deltas"] > 2 for c in calls.values()), calls
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
     # the call and its result go back into the conversation

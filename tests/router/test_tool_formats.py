@@ -85,14 +85,51 @@ def test_each_format_parses_whole_and_streamed(name, text, content):
     assert got_content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want
     assert [c["id"] for c in calls] == ["call-0", "call-1"]
-    stream = ToolStream("call", fmt)  # three characters at a time
-    streamed_text, streamed = "", []
-    for i in range(0, len(text), 3):
-        piece, done = stream.feed(text[i:i + 3])
-        streamed_text, streamed = streamed_text + piece, streamed + done
-    rest, late = stream.finish()
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed + late] == want
-    assert (streamed_text + rest).strip() == (content or "")
+    for incremental in (False, True):
+        stream = ToolStream("call", fmt, incremental=incremental)  # three characters at a time
+        streamed_text, items = "", []
+        for i in range(0, len(text), 3):
+            piece, more = stream.feed(text[i:i + 3])
+            streamed_text, items = streamed_text + piece, items + more
+        rest, late = stream.finish()
+        items += late
+        assert (streamed_text + rest).strip() == (content or "")
+        assert stream.calls == 2
+        calls = {}  # as the openai client adds the items up
+        for item in items:
+            call = calls.setdefault(item["index"], {"id": item.get("id"), "name": "", "arguments": ""})
+            call["name"] += item.get("function", {}).get("name") or ""
+            call["arguments"] += item["function"]["arguments"]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == want
+        assert [c["id"] for c in calls.values()] == ["call-0", "call-1"]
+        per_call = [sum(1 for item in items if item["index"] == k) for k in (0, 1)]
+        if not incremental:
+            assert per_call == [1, 1]  # each call whole, once closed
+        else:  # each call's arguments in pieces (mistral's second call comes whole, with the array)
+            assert per_call[0] > 2
+            assert per_call[1] == 1 if name == "mistral" else per_call[1] > 2
+            assert "id" in items[0] and all("id" not in item for item in items[1:per_call[0]])
+
+
+def test_arguments_stream_as_the_model_writes_them():
+    """Token by token: each piece of a call's arguments goes out as it comes (brackets in
+    strings do not end them), and a call cut short by the token limit keeps what was sent
+    while the rest of the answer's text stays content."""
+    stream = ToolStream("c", FORMATS["hermes"], incremental=True)
+    pieces = ["Let me look.", "<tool", "_call>\n", '{"name": "get', '_weather", "arguments": ',
+              '{"city": "Ro', 'me }{\\"', '", "unit": ', '"c"}', "}\n</tool_call>"]
+    out = [stream.feed(p) for p in pieces]
+    assert [text for text, _ in out][0] == "Let me look."
+    args = [item["function"]["arguments"] for _, items in out for item in items]
+    assert args == ["{\"city\": \"Ro", 'me }{\\"', '", "unit": ', '"c"}']
+    assert json.loads("".join(args)) == {"city": 'Rome }{"', "unit": "c"}  # an escaped quote
+    assert [item.get("id") for _, items in out for item in items][0] == "c-0"
+    assert stream.calls == 1
+    cut = ToolStream("c", FORMATS["hermes"], incremental=True)
+    _, items = cut.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U')
+    rest, late = cut.finish()
+    assert (rest, late, cut.calls) == ("", [], 0)
+    assert [i["function"]["arguments"] for i in items] == ['{"zone": "U']
 
 
 def test_text_that_is_not_a_call_stays_text():
