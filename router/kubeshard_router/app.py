@@ -25,6 +25,7 @@ from kubeshard_router.openai_schema import ChatCompletionRequest, CompletionRequ
 from kubeshard_router.playground import router as playground_router
 from kubeshard_router.state import RouterState
 from kubeshard_router.tgi_api import router as tgi_router
+from kubeshard_router.tokenize_api import router as tokenize_router
 from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest
 
 log = logging.getLogger("kubeshard.router")
@@ -64,6 +65,7 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
     app.include_router(openai_router)
     app.include_router(playground_router)
     app.include_router(load_router)
+    app.include_router(tokenize_router)
 
     @app.get("/livez", tags=["Observability"], summary="200 while the router process runs")
     async def livez() -> Response:

@@ -436,11 +436,29 @@ def _tool_calls(calls: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
     return calls
 
 
-def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Limits) -> OpenAIPlan:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: ModelTokenizer,
+                add_generation_prompt: bool = True) -> tuple[str, Optional[ToolPlan]]:
+    """The chat as the model's template renders it (its tools too: by the template, or in
+    a system message), and the request's tool plan."""
     tools = parse_tools(req.tools, req.tool_choice)
     fmt = tokenizer.tool_format
+    source = tokenizer.template_source
+    messages = _message_dicts(req.messages, source, fmt)
+    tool_dicts = None
     if tools is not None:
         tools.format = fmt
+        if template_renders_tools(source):
+            tool_dicts = [f.as_tool() for f in tools.functions]
+        else:
+            messages = with_tool_prompt(messages, tools.functions, fmt)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tool_dicts)
+    except ChatTemplateError as exc:
+        raise ValidationFailed(f"`messages`: {exc}", param="messages") from None
+    return text, tools
+
+
+def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Limits) -> OpenAIPlan:
     n, sequences = _sequences(req, None, limits)
     top_logprobs = req.top_logprobs
     if top_logprobs is not None:
@@ -450,23 +468,13 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
             raise ValidationFailed(f"`top_logprobs` must be >= 0 and <= {limits.max_top_n_tokens}. "
                                    f"Given: {top_logprobs}", param="top_logprobs")
     params = _common(req, limits)
-    source = tokenizer.template_source
-    messages = _message_dicts(req.messages, source, fmt)
-    tool_dicts = None
+    text, tools = chat_prompt(req, tokenizer)
     if tools is not None:
         grammar = tool_grammar(tools)
         if grammar is not None and params["grammar"] is not None:
             raise ValidationFailed("`tools` with tool_choice other than none cannot be combined with another "
                                    "structured-output constraint", param="tools")
         params["grammar"] = params["grammar"] or grammar
-        if template_renders_tools(source):
-            tool_dicts = [f.as_tool() for f in tools.functions]
-        else:
-            messages = with_tool_prompt(messages, tools.functions, fmt)
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tool_dicts)
-    except ChatTemplateError as exc:
-        raise ValidationFailed(f"`messages`: {exc}", param="messages") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -480,7 +488,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: ModelTokenizer, limits: Lim
     plan = _plan(req, engine, len(ids), text, logprobs, False, n)
     plan.tools = tools
     if tools is not None and tools.parses:
-        plan.special_kept = fmt.markers
+        plan.special_kept = tools.format.markers
     plan.tgi_shapes = req.model == "tgi"
     return plan
 

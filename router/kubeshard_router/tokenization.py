@@ -123,6 +123,12 @@ class ModelTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_spans(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
+        """Each token of ``text`` as (id, start, stop): the characters of ``text`` it
+        stands for (an added special token, such as BOS, stands for none)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return [(i, start, stop) for i, (start, stop) in zip(encoding.ids, encoding.offsets)]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

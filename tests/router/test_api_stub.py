@@ -226,7 +226,8 @@ def test_form_encoded_json_is_accepted_like_curl_d(router):
 def test_openapi_and_docs_describe_the_routes(router):
     spec = httpx.get(router.url + "/openapi.json").json()
     for path in ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
-                 "/v1/models", "/info", "/health", "/metrics", "/models/{model}/generate"):
+                 "/v1/models", "/info", "/health", "/metrics", "/models/{model}/generate", "/tokenize",
+                 "/chat_tokenize", "/detokenize"):
         assert path in spec["paths"], path
     body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/ChatCompletionRequest"
