@@ -14,18 +14,14 @@ import httpx
 import openai
 import pytest
 
-from tests.support.servers import start_serve
 from tests.support.sse import sse
 
 NO_CACHE = {"Cache-Control": "no-cache"}
 
 
 @pytest.fixture(scope="module")
-def serve(demo_model):
-    proc = start_serve(demo_model(), "--num-threads", "1", "--kv-cache-memory", "64MiB",
-                       "--max-input-tokens", "1024", "--max-total-tokens", "1536")
-    yield proc
-    proc.stop()
+def serve(demo_serve):
+    return demo_serve
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,13 @@ class Proc:
         return self.proc.returncode
 
     def kill(self) -> None:
-        self.stop(signal.SIGKILL)
+        """Ends the whole session at once: a SIGKILL to the command alone left its children
+        (a `kubeshard serve`'s shard servers) running as orphans."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the session is gone already
+        self.proc.wait()
 
 
 def start(name: str, cmd: list[str], ready: re.Pattern, timeout: float = 300, env: Optional[dict] = None,
