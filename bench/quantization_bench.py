@@ -15,6 +15,11 @@
    context, and greedy agreement, for float32, bfloat16 and int8 pools.
 
     python -m bench.quantization_bench [--tokens 64] [--models default,small] [--rounds 3]
+                                       [--march native|x86-64-v3]
+
+``--march x86-64-v3`` serves every engine with the kernels built for an AVX2 CPU (no
+AVX-512, no VNNI; built ahead as the shard image builds them, ``kernels.prebuild``): the
+AVX2 paths measured end to end on a machine that has more (``quantization-x86-64-v3.md``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import argparse
 import gc
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -31,6 +38,7 @@ import torch
 from bench.common import demo_model, isa_results, load_average_lines, machine, rerender, write_results
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.config import EngineConfig, MemoryBudget
+from kubeshard_shard.engine import kernels
 from kubeshard_shard.engine.attention import KVCache
 from kubeshard_shard.engine.request import make_sampling_params
 from kubeshard_shard.server.factory import build_served_model
@@ -188,20 +196,29 @@ def main() -> None:
     parser.add_argument("--models", default="default,small")
     parser.add_argument("--rounds", type=int, default=3,
                         help="decode rounds over every method, interleaved (figures are medians over them)")
+    parser.add_argument("--march", default="native",
+                        help="the instruction set the kernels are built for (x86-64-v3: AVX2)")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    results_name = isa_results("quantization")
+    results_name = isa_results("quantization") if args.march == "native" else f"quantization-{args.march}"
     if args.render:
         rerender(results_name, render)
         return
+    if args.march != "native":
+        if args.march not in dict(kernels.LEVELS):
+            parser.error(f"--march must be native or one of {', '.join(dict(kernels.LEVELS))}, got {args.march}")
+        folder = Path(tempfile.mkdtemp(prefix="kubeshard-kernels-"))
+        kernels.prebuild(folder, (args.march,))
+        os.environ[kernels.PREBUILT_ENV] = str(folder)  # the only level there: every engine loads it
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth()
     results = {"machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9, "tokens": args.tokens, "models": {},
                "rounds": args.rounds,
                "command": f"python -m bench.quantization_bench --tokens {args.tokens} --models {args.models} "
-                          f"--rounds {args.rounds}",
+                          f"--rounds {args.rounds}" + (f" --march {args.march}" if args.march != "native" else ""),
+               "march": args.march,
                "load_average_1m": {"before": os.getloadavg()[0]}}
     for name in args.models.split(","):
         if name == "default":
@@ -224,7 +241,8 @@ def render(r: dict) -> str:
     lines = ["# Weight-only quantization and compressed KV pools (CPU)", "",
              f"`{r['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}. "
              f"Copy bandwidth at the start: {r['copy_bandwidth_gb_s']:.1f} GB/s (read + write of a 1 GiB tensor, best "
-             "of 5).", "",
+             "of 5)." + (f" Kernels built with `-march={r['march']}` (what a CPU with just that instruction set runs; "
+                         "on this one's memory)." if r.get("march", "native") != "native" else ""), "",
              "Batch-1 greedy decode, in-process (no gRPC or HTTP), median step time over "
              f"{r['tokens']} tokens of each of {len(PROMPTS)} chat prompts. *bound*: weight bytes a step reads ÷ "
              f"{bound}. *first differing token*: where each answer departs from float32's (— : never, "

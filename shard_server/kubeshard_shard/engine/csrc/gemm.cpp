@@ -228,9 +228,32 @@ static void pair_blocks(int16_t* q, int64_t M, int64_t K) {
     }
 }
 
+// The quad layout (int4 on AVX2 without AVX-512, see q4_row): blocks 2p and 2p + 1 of a
+// row as four vectors of 16, [2p: 0 2 .. 14 | 2p+1: 0 2 .. 14], [16 18 .. 30 | ...],
+// [1 3 .. 15 | ...], [17 19 .. 31 | ...], the order in which the four nibbles of each
+// 16-bit word of one 256-bit read of the two blocks' packed weights come out
+// (q4_pair_weights); a last odd block stays as it is.
+static void quad_blocks(int16_t* q, int64_t M, int64_t K) {
+  int16_t two[64];
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b + 2 <= K / 32; b += 2) {
+      int16_t* at = q + r * K + b * 32;
+      std::memcpy(two, at, sizeof(two));
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 8; ++k) {
+          at[h * 8 + k] = two[h * 32 + 2 * k];
+          at[16 + h * 8 + k] = two[h * 32 + 16 + 2 * k];
+          at[32 + h * 8 + k] = two[h * 32 + 2 * k + 1];
+          at[48 + h * 8 + k] = two[h * 32 + 17 + 2 * k];
+        }
+    }
+}
+
+enum class XLayout { kInOrder, kPaired, kQuad };
+
 // Into `out`, whose vectors keep their capacity from call to call (each GEMM's caller
 // passes its thread's, see scratch_x).
-static void quantize_x(QuantX& out, const float* x, int64_t M, int64_t K, bool paired = false) {
+static void quantize_x(QuantX& out, const float* x, int64_t M, int64_t K, XLayout layout = XLayout::kInOrder) {
   const int64_t nb = K / 32;
   out.q.resize(M * K);
   out.d.resize(M * nb);
@@ -281,7 +304,8 @@ static void quantize_x(QuantX& out, const float* x, int64_t M, int64_t K, bool p
     out.sum[r] = s;
     out.err[r] = s - d * float(qs);
   }
-  if (paired) pair_blocks(out.q.data(), M, K);
+  if (layout == XLayout::kPaired) pair_blocks(out.q.data(), M, K);
+  if (layout == XLayout::kQuad) quad_blocks(out.q.data(), M, K);
 }
 
 // The calling thread's QuantX: a decode step makes about a hundred GEMM calls, each of
@@ -323,7 +347,6 @@ struct Int8Rows {
   // measured no difference
   static constexpr int64_t kAhead = 8192;
   static constexpr bool kMinTerms = false;
-  static constexpr bool kEightAtOnce = false;  // see quant_row
 
   const int8_t* block(int n, int64_t b) const { return w + n * K + b * 32; }
   int64_t row_bytes() const { return K; }
@@ -370,7 +393,6 @@ struct Int4Rows {
   static constexpr int64_t kPrefetchMask = 3;  // 16 bytes a block: prefetch every 4th
   static constexpr int64_t kAhead = 2048;
   static constexpr bool kMinTerms = true;
-  static constexpr bool kEightAtOnce = true;  // see quant_row
 
   const uint8_t* block(int n, int64_t b) const { return w + n * (K / 2) + b * 16; }
   int64_t row_bytes() const { return K / 2; }
@@ -485,16 +507,9 @@ static inline __m256 block_scales(const uint16_t* scales, int64_t b0, int shift)
 //
 // Block by block, each block's integer dot is converted and scaled alone (a conversion,
 // a broadcast scale and a multiply-add a block), which int8 (32 bytes a block) hides
-// behind its memory reads and int4 (16 bytes) does not. So int4 rows (kEightAtOnce) take
-// eight blocks at once: their dots are summed to eight exact totals in one vector,
-// converted, and scaled by the eight blocks' x and W scales in one multiply-add (lane i
-// of that accumulator collects blocks i, i + 8, ...). A pass over the default model's
-// int4 layers with the AVX2 build (bench/results/quant-kernels-x86-64-v3.md, 2026-12-06,
-// on a Xeon, `--against 479736e`, two runs of this code): 1.11x and 1.03x at one row of
-// x (the small model 1.19x), 1.09x and 0.93x at two rows, 1.05x and 0.88x at four; on
-// that machine the AVX2 int4 pass was already within 1.5x of the memory bound, so the
-// gain was measured where it matters least (the AMD AVX2 machine was at 1.7x and more).
-// The same scheme for int8 measured 0.96-1.02x: int8 stays block by block.
+// behind its memory reads and int4 (16 bytes) does not: int4 rows go to q4_row. Summing
+// eight blocks' dots to eight exact totals first (as q4_row does) measured 0.96-1.02x for
+// int8: int8 stays block by block.
 //
 // The sums depend on the row alone, so a row of x gets the same bits whatever MR it is
 // computed in (a verification row's logits are a decode's). kOneGroup: W has one scale a
@@ -509,60 +524,156 @@ static inline void read_block(const Rows& rows, int64_t b, __m256i& wa, __m256i&
   Rows::load(p, wa, wb);
 }
 
-// Eight blocks of one W row, from block b0 (a multiple of 8), into acc. Each block's dot
-// (eight int32 lanes) is summed horizontally as it comes, in pairs (hadd), so that a row
-// of x holds three vectors at most and four rows fit the registers; the totals are exact
-// integers, however they are summed.
-template <int MR, bool kOneGroup, typename Rows>
-static inline void quant_chunk(const int16_t* xq, const float* dx, int64_t K, int64_t nb, const Rows& rows,
-                               int shift, int64_t b0, __m256 (&acc)[MR]) {
-  // per row of x: the last odd block's dot, the last pair's sum, and blocks 0-3 summed
-  // (per 128-bit half: [b0 b1 b2 b3] partial totals)
-  __m256i odd[MR], pair[MR], quad[MR];
-  // the eight blocks' W scales, the same for every row of x
-  const __m256 ws = kOneGroup ? _mm256_set1_ps(1.f) : block_scales(rows.scales, b0, shift);
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    const int64_t b = b0 + i;
+// The four vectors of 16 weights in one 256-bit read of two int4 blocks (b, b + 1), the
+// four nibbles of each 16-bit word: [b: 0 2 .. 14 | b+1: 0 2 .. 14], [16 18 .. 30 | ...],
+// [1 3 .. 15 | ...], [17 19 .. 31 | ...] (quad_blocks puts x in the same order).
+static inline void q4_pair_weights(const uint8_t* w, __m256i (&s)[4]) {
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  s[0] = _mm256_and_si256(raw, low);
+  s[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  s[2] = _mm256_and_si256(_mm256_srli_epi16(raw, 8), low);
+  s[3] = _mm256_srli_epi16(raw, 12);
+}
+
+// The dot of a pair of blocks with x in the quad layout: [b: four partial sums | b+1: four].
+static inline __m256i q4_pair_dot(const __m256i (&s)[4], const int16_t* x) {
+  return _mm256_add_epi32(dot32(s[0], s[1], x), dot32(s[2], s[3], x + 32));
+}
+
+// One int4 row of W against MR rows of x (from row m0) in the quad layout (quad_blocks).
+//
+// Why not block by block (quant_row): the widening of a block's 16 bytes (vpmovzxbw) and
+// the horizontal sums of its dot's eight lanes all ran on the one shuffle port (Intel's
+// port 5), and after the blocks, each output added its minimums' terms group by group
+// (q4_min_terms) and summed its lanes: rows are short (18 blocks in the default model),
+// so that tail cost as much as a third of the blocks. Here one 256-bit read holds two
+// blocks, whose 16-bit words give four vectors of weights with masks and shifts alone
+// (q4_pair_weights); each 128-bit half of a pair's dot belongs to one block, so three
+// hadds per eight blocks leave one exact total a block, lanes [b0 b0+2 b0+4 b0+6 | b0+1
+// b0+3 b0+5 b0+7], converted and scaled by the eight blocks' x and W scales in one
+// multiply-add; the minimums' terms are added per block in the same pass, from x's
+// block sums (QuantX::sum, err) and the blocks' W minimums and scales (block_scales),
+// eight at a time. Against the block by block row (2026-12-06, Xeon, AVX2 build,
+// interleaved): one thread over a layer in cache 1.14-1.17x (K 576) and 1.08x (K 1536) at one
+// row of x; a pass over the default model's int4 layers 1.03x and 1.11x at one row in two
+// runs, 1.05x at two (the small model 1.13x; bench/results/quant-kernels-x86-64-v3.md).
+// What is left is the multiply-adds themselves: x in int16 takes a vpmaddwd for every 16
+// weights, which without VNNI also needs an add.
+//
+// The sums depend on the row alone, so a row of x gets the same bits whatever MR it is
+// computed in. kOneGroup: one scale and minimum for the whole row, applied at the end.
+template <int MR, bool kOneGroup>
+static void q4_row(const QuantX& qx, int64_t m0, int64_t K, const Int4Rows& rows, int shift, float* y,
+                   int64_t ldy, const float* bias) {
+  const int64_t nb = K / 32;
+  const int16_t* xq = qx.q.data() + m0 * K;
+  const float* dx = qx.d.data() + m0 * nb;
+  const float* xs = qx.sum.data() + m0 * nb;
+  const float* xe = qx.err.data() + m0 * nb;
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 eight = _mm256_set1_ps(8.f);
+  // per row of x: the scaled dots (lanes as above; after the chunks, the pairs' [b ×4 | b+1 ×4]),
+  // and the minimums' terms (lane i: blocks i, i + 8, ...)
+  __m256 acc[MR], mins[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = mins[m] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 wd = kOneGroup ? _mm256_set1_ps(1.f) : block_scales(rows.scales, b, shift);
+    const __m256 wm = kOneGroup ? _mm256_setzero_ps() : block_scales(rows.mins, b, shift);
+    const __m256 ws = _mm256_permutevar8x32_ps(wd, order);
+    __m256i first[MR], four[MR];  // per row of x: pair 0's (or 2's) dot, pairs 0 and 1 summed
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* w = rows.block(0, b + 2 * p);
+      if (p % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w) + Int4Rows::kAhead, _MM_HINT_T0);
+      __m256i s[4];
+      q4_pair_weights(w, s);
+      for (int m = 0; m < MR; ++m) {
+        const __m256i dot = q4_pair_dot(s, xq + m * K + (b + 2 * p) * 32);
+        if (p % 2 == 0) {
+          first[m] = dot;
+          continue;
+        }
+        const __m256i sum4 = _mm256_hadd_epi32(first[m], dot);  // [b b b+2 b+2 | b+1 b+1 b+3 b+3]
+        if (p == 1) {
+          four[m] = sum4;
+          continue;
+        }
+        const __m256i total = _mm256_hadd_epi32(four[m], sum4);
+        const __m256 xd = _mm256_permutevar8x32_ps(_mm256_loadu_ps(dx + m * nb + b), order);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(xd, ws), acc[m]);
+        if constexpr (!kOneGroup) {
+          mins[m] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + m * nb + b), mins[m]);
+          mins[m] = _mm256_fmadd_ps(_mm256_mul_ps(wd, eight), _mm256_loadu_ps(xe + m * nb + b), mins[m]);
+        }
+      }
+    }
+  }
+  // whole pairs left: each dot's halves scaled by their block's scales; the minimums'
+  // terms of these blocks in lanes 0 and 1 (written as vector operations, so that a row
+  // gets the same bits whatever MR: a compiler free to contract scalar ones differs
+  // between the loop over rows it vectorizes and the one it does not)
+  __m128 tail[MR];
+  for (int m = 0; m < MR; ++m) tail[m] = _mm_setzero_ps();
+  auto block_scale = [&](int64_t at) { return kOneGroup ? 1.f : rows.scale(0, at >> shift); };
+  auto block_min = [&](int64_t at) { return kOneGroup ? 0.f : fp16_to_f32(rows.mins[at >> shift]); };
+  auto add_min_terms = [&](int m, int64_t at, __m128 wm, __m128 wd8, bool two) {
+    const float* sp = xs + m * nb + at;
+    const float* ep = xe + m * nb + at;
+    const __m128 sv = two ? _mm_setr_ps(sp[0], sp[1], 0.f, 0.f) : _mm_set_ss(sp[0]);
+    const __m128 ev = two ? _mm_setr_ps(ep[0], ep[1], 0.f, 0.f) : _mm_set_ss(ep[0]);
+    tail[m] = _mm_fmadd_ps(wm, sv, _mm_fmadd_ps(wd8, ev, tail[m]));
+  };
+  for (; b + 2 <= nb; b += 2) {
+    __m256i s[4];
+    q4_pair_weights(rows.block(0, b), s);
+    const float w0 = block_scale(b), w1 = block_scale(b + 1);
+    const __m128 wm = _mm_setr_ps(block_min(b), block_min(b + 1), 0.f, 0.f);
+    const __m128 wd8 = _mm_setr_ps(8.f * w0, 8.f * w1, 0.f, 0.f);
+    for (int m = 0; m < MR; ++m) {
+      const __m256i dot = q4_pair_dot(s, xq + m * K + b * 32);
+      const __m256 scale = _mm256_set_m128(_mm_set1_ps(dx[m * nb + b + 1] * w1), _mm_set1_ps(dx[m * nb + b] * w0));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
+      if constexpr (!kOneGroup) add_min_terms(m, b, wm, wd8, true);
+    }
+  }
+  if (b < nb) {  // a last odd block, x in order
     __m256i wa, wb;
-    read_block(rows, b, wa, wb);
+    Int4Rows::load(rows.block(0, b), wa, wb);
+    const float ws = block_scale(b);
+    const __m128 wm = _mm_set_ss(block_min(b)), wd8 = _mm_set_ss(8.f * ws);
     for (int m = 0; m < MR; ++m) {
       const __m256i dot = dot32(wa, wb, xq + m * K + b * 32);
-      if (i % 2 == 0) {
-        odd[m] = dot;
-        continue;
-      }
-      const __m256i sum2 = _mm256_hadd_epi32(odd[m], dot);
-      if (i % 4 == 1) {
-        pair[m] = sum2;
-        continue;
-      }
-      const __m256i sum4 = _mm256_hadd_epi32(pair[m], sum2);
-      if (i == 3) {
-        quad[m] = sum4;
-        continue;
-      }
-      // blocks 0-3 and 4-7, each half a partial total: add the halves
-      const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(quad[m], sum4, 0x20),
-                                             _mm256_permute2x128_si256(quad[m], sum4, 0x31));
-      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(dx + m * nb + b0), ws);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[m * nb + b] * ws), acc[m]);
+      if constexpr (!kOneGroup) add_min_terms(m, b, wm, wd8, false);
     }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float s = hsum256(acc[m]);
+    if constexpr (kOneGroup) {
+      s = std::fma(s, rows.scale(0, 0), rows.min_terms(0, qx, m0 + m));
+    } else {
+      s += hsum256(_mm256_add_ps(mins[m], _mm256_insertf128_ps(_mm256_setzero_ps(), tail[m], 0)));
+    }
+    y[m * ldy] = s + (bias ? bias[0] : 0.f);
   }
 }
 
 template <int MR, bool kOneGroup, typename Rows>
 static void quant_row(const QuantX& qx, int64_t m0, int64_t K, const Rows& rows, int shift, float* y,
                       int64_t ldy, const float* bias) {
+  if constexpr (std::is_same_v<Rows, Int4Rows>) {
+    q4_row<MR, kOneGroup>(qx, m0, K, rows, shift, y, ldy, bias);
+    return;
+  }
   const int64_t nb = K / 32;
   const int16_t* xq = qx.q.data() + m0 * K;
   const float* dx = qx.d.data() + m0 * nb;
-  __m256 acc[MR], one[MR], two[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = one[m] = two[m] = _mm256_setzero_ps();
+  __m256 one[MR], two[MR];
+  for (int m = 0; m < MR; ++m) one[m] = two[m] = _mm256_setzero_ps();
   int64_t b = 0;
-  if constexpr (Rows::kEightAtOnce)
-    for (; b + 8 <= nb; b += 8) quant_chunk<MR, kOneGroup>(xq, dx, K, nb, rows, shift, b, acc);
-  // the other blocks one at a time, alternating between two accumulators so that their
+  // the blocks one at a time, alternating between two accumulators so that their
   // multiply-adds do not wait on each other (which one depends on the block alone)
   auto add_block = [&](int64_t b, __m256 (&into)[MR]) {
     __m256i wa, wb;
@@ -579,9 +690,8 @@ static void quant_row(const QuantX& qx, int64_t m0, int64_t K, const Rows& rows,
   }
   if (b < nb) add_block(b, one);
   for (int m = 0; m < MR; ++m) {
-    float s = hsum256(_mm256_add_ps(acc[m], _mm256_add_ps(one[m], two[m])));
+    float s = hsum256(_mm256_add_ps(one[m], two[m]));
     if constexpr (kOneGroup) s *= rows.scale(0, 0);
-    if constexpr (Rows::kMinTerms) s += rows.min_terms(0, qx, m0 + m);
     y[m * ldy] = s + (bias ? bias[0] : 0.f);
   }
 }
@@ -850,14 +960,18 @@ void gemm_q4_into(const float* x, int64_t M, int64_t K, const uint8_t* w, const 
                   const uint16_t* mins, int64_t N, int64_t G, const float* b, float* y) {
 #if defined(KS_AVX512)
   const bool paired = G == K || group_shift(G) >= 0;  // q4_rows512 serves (quant_gemm)
+  const XLayout layout = paired ? XLayout::kPaired : XLayout::kInOrder;
+#elif defined(KS_AVX2)
+  // q4_row serves; else quant_tile, which reads x in order
+  const XLayout layout = G == K || group_shift(G) >= 0 ? XLayout::kQuad : XLayout::kInOrder;
 #else
-  const bool paired = false;
+  const XLayout layout = XLayout::kInOrder;
 #endif
   QuantX& qx = scratch_x();
-  quantize_x(qx, x, M, K, paired);
-  // the per-group sums: every int4 path's minimums but q4_rows512's, which takes them
-  // per block (and per group only for one-group weights)
-  if (!paired || G == K) qx.group(M, K, G);
+  quantize_x(qx, x, M, K, layout);
+  // the per-group sums: quant_tile's minimums, and one-group weights' (q4_rows512 and
+  // q4_row take the others per block)
+  if (layout == XLayout::kInOrder || G == K) qx.group(M, K, G);
   const int64_t ng = K / G;
   quant_gemm(M, K, N, G, b, qx,
              [&](int64_t n) { return Int4Rows{w + n * (K / 2), scales + n * ng, mins + n * ng, K, ng}; }, y);
