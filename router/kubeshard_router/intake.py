@@ -50,7 +50,17 @@ class Plan(Protocol):
     def engine(self) -> EngineRequest: ...
 
     @property
+    def engines(self) -> tuple[EngineRequest, ...]:
+        """Every generation the request asks for: its engine, or one per prompt of a
+        completion that holds several (generated side by side, their sequences numbered
+        one prompt after another)."""
+
+    @property
     def prompt_tokens(self) -> int: ...
+
+
+def _budget(plan: Plan) -> int:
+    return sum(engine.token_budget for engine in plan.engines)
 
 
 B = TypeVar("B", bound=RequestBody)
@@ -189,11 +199,12 @@ class Intake:
             ctx = RequestContext(request_id=request_id[:128], model=model.name)
             t1 = time.perf_counter()
             planned = plan(body, tokenizer, limits)
-            self._adapter(planned.engine, adapter, model)
+            for engine in planned.engines:
+                self._adapter(engine, adapter, model)
             ctx.validation_s = (time.perf_counter() - t1) + (t1 - t0)
             ctx.prompt_tokens = planned.prompt_tokens
             ctx.grammar_field = planned.engine.grammar.field if planned.engine.grammar is not None else None
-            bucket = await self._charge(key, request, planned.prompt_tokens + planned.engine.token_budget)
+            bucket = await self._charge(key, request, planned.prompt_tokens + _budget(planned))
         except RouterError as exc:
             self.metrics.tgi_request_count.inc((label,))
             self.metrics.tgi_request_failure.inc((label, exc.error_type))
@@ -212,7 +223,7 @@ class Intake:
         if admitted.bucket is not None:
             key = admitted.key
             tpm = key.tpm if key is not None and key.tpm is not None else self.config.rate_limit_tpm
-            self.ratelimiter.refund(admitted.bucket, tpm, admitted.plan.engine.token_budget - ctx.generated_tokens)
+            self.ratelimiter.refund(admitted.bucket, tpm, _budget(admitted.plan) - ctx.generated_tokens)
         if started or error_type is None:
             self.metrics.count_request(name, route, 200)
         elif error_type == "cancelled":
@@ -227,8 +238,7 @@ class Intake:
 
         async def tokens() -> AsyncIterator[pb.Token]:
             nonlocal received
-            async for t in self.generation.stream(admitted.model, admitted.plan.engine, admitted.ctx,
-                                                  admitted.control):
+            async for t in self._stream(admitted):
                 received += 1
                 yield t
 
@@ -254,8 +264,7 @@ class Intake:
     async def collect(self, admitted: Admitted[B, P]) -> list[pb.Token]:
         """Generates the whole answer (non-streaming routes)."""
         try:
-            tokens = await self.generation.collect(admitted.model, admitted.plan.engine, admitted.ctx,
-                                                   admitted.control)
+            tokens = await self._collect(admitted)
         except RouterError as exc:
             self.finish(admitted, exc.error_type, False)
             exc.for_model(admitted.model.name)
@@ -265,3 +274,118 @@ class Intake:
             raise
         self.finish(admitted, None, True)
         return tokens
+
+    # several prompts in one request ---------------------------------------------------------
+
+    def _parts(self, admitted: Admitted[B, P]) -> list[tuple[EngineRequest, RequestContext, int]]:
+        """Each generation of a request of several: its engine, its own context (the
+        request's is their sum, see ``merge_contexts``) and the first sequence number of
+        its tokens."""
+        parts, offset = [], 0
+        for k, engine in enumerate(admitted.plan.engines):
+            ctx = RequestContext(request_id=f"{admitted.ctx.request_id}-{k}", model=admitted.ctx.model,
+                                 start=admitted.ctx.start, validation_s=admitted.ctx.validation_s,
+                                 prompt_tokens=len(engine.input_ids), grammar_field=admitted.ctx.grammar_field)
+            parts.append((engine, ctx, offset))
+            offset += engine.n
+        return parts
+
+    async def _stream(self, admitted: Admitted[B, P]) -> AsyncIterator[pb.Token]:
+        model, control = admitted.model, admitted.control
+        if len(admitted.plan.engines) == 1:
+            async for t in self.generation.stream(model, admitted.plan.engine, admitted.ctx, control):
+                yield t
+            return
+        parts = self._parts(admitted)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(engine: EngineRequest, ctx: RequestContext, offset: int) -> None:
+            finished = 0
+            try:
+                async for t in self.generation.stream(model, engine, ctx, control):
+                    if t.HasField("finish"):
+                        finished += 1
+                        if finished == engine.n:  # its last: the counts a final usage chunk reads
+                            add_finished(admitted.ctx, ctx)
+                    await queue.put(renumbered(t, offset))
+                await queue.put(None)
+            except BaseException as exc:  # handed to the reader, which raises it
+                await queue.put(exc)
+                raise
+
+        tasks = [asyncio.create_task(run(*part)) for part in parts]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            merge_contexts(admitted.ctx, [ctx for _, ctx, _ in parts])
+
+    async def _collect(self, admitted: Admitted[B, P]) -> list[pb.Token]:
+        model, control = admitted.model, admitted.control
+        if len(admitted.plan.engines) == 1:
+            return await self.generation.collect(model, admitted.plan.engine, admitted.ctx, control)
+        parts = self._parts(admitted)
+        tasks = [asyncio.create_task(self.generation.collect(model, engine, ctx, control))
+                 for engine, ctx, _ in parts]
+        try:
+            answers = await asyncio.gather(*tasks)
+        finally:  # one failed (or the client left): the others stop too
+            for task in tasks:
+                task.cancel()
+            merge_contexts(admitted.ctx, [ctx for _, ctx, _ in parts])
+        return [renumbered(t, offset) for (_, _, offset), tokens in zip(parts, answers) for t in tokens]
+
+
+def renumbered(token: pb.Token, offset: int) -> pb.Token:
+    """``token`` as sequence ``offset`` + its own (a copy: cached answers are shared)."""
+    if offset == 0:
+        return token
+    out = pb.Token()
+    out.CopyFrom(token)
+    out.sequence += offset
+    return out
+
+
+def _cached_sum(finishes: list[pb.FinishDetails]) -> pb.FinishDetails:
+    """The last finish, with every one's cached prompt tokens."""
+    out = pb.FinishDetails()
+    out.CopyFrom(finishes[-1])
+    out.cached_prompt_tokens = sum(f.cached_prompt_tokens for f in finishes)
+    return out
+
+
+def add_finished(into: RequestContext, part: RequestContext) -> None:
+    """Counts a generation of a request of several that has just ended (its tokens and
+    cached prompt tokens), as it ends."""
+    into.generated_tokens += part.generated_tokens
+    if part.finish is not None:
+        into.finish = part.finish if into.finish is None else _cached_sum([into.finish, part.finish])
+
+
+def merge_contexts(into: RequestContext, parts: list[RequestContext]) -> None:
+    """A request of several generations, as one: tokens and cached prompt tokens summed,
+    its first token the first of any, its end the last; a cache hit only when every
+    part was one."""
+    into.generated_tokens = sum(p.generated_tokens for p in parts)
+    into.retries = sum(p.retries for p in parts)
+    into.queue_s = max(p.queue_s for p in parts)
+    firsts = [p.first_token_at for p in parts if p.first_token_at is not None]
+    into.first_token_at = min(firsts) if firsts else None
+    ends = [p.end_at for p in parts if p.end_at is not None]
+    into.end_at = max(ends) if len(ends) == len(parts) else None
+    into.replica = next((p.replica for p in reversed(parts) if p.replica), into.replica)
+    caches = {p.cache for p in parts}
+    into.cache = caches.pop() if len(caches) == 1 else "miss" if "miss" in caches else "bypass"
+    finishes = [p.finish for p in parts if p.finish is not None]
+    if finishes:
+        into.finish = _cached_sum(finishes)

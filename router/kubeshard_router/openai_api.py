@@ -99,7 +99,8 @@ async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: Open
     texts: dict[int, str] = {}
     calls: dict[int, ToolStream] = {}
     parse = chat and plan.tools is not None and plan.tools.parses
-    left = plan.engine.n
+    left = sum(engine.n for engine in plan.engines)
+    per = plan.engine.n  # sequences per prompt: sequence i is prompt i // per's
 
     def content(i: int, emit: str, final: bool = False) -> tuple[str, bytes]:
         """Text to stream as content, and the tool-call deltas that came with it."""
@@ -118,12 +119,12 @@ async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: Open
             trimmers[i], texts[i] = StopTrimmer(plan.stop, plan.keep_stop), ""
             calls[i] = ToolStream(f"call_{ctx.request_id[:16]}-{i}", plan.tools.format if parse else FORMATS["hermes"],
                                   incremental=not plan.tgi_shapes)
-            extra = ({"prompt_logprobs": prompt_logprobs(t)} if plan.prompt_logprobs is not None and i == 0
+            extra = ({"prompt_logprobs": prompt_logprobs(t)} if plan.prompt_logprobs is not None and i % per == 0
                      and t.prefill else None)
             if chat:
                 out += shapes.chunk("", None, None, i, extra)
             elif plan.echo:
-                out += shapes.chunk(plan.prompt_text, None, None, i, extra)
+                out += shapes.chunk(plan.prompts[i // per].prompt_text, None, None, i, extra)
             elif extra:
                 out += shapes.chunk("", None, None, i, extra)
         text = _text(t, plan)
@@ -140,7 +141,7 @@ async def _events(tokens: AsyncIterator[pb.Token], model: ModelState, plan: Open
             if left == 0:
                 if plan.include_usage:
                     out += sse_event({**shapes.base, "choices": [],
-                                      "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, t.finish)})
+                                      "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, ctx.finish)})
                 if not plan.tgi_shapes:  # the text-generation client cannot parse "[DONE]"
                     out += SSE_DONE
         else:
@@ -189,10 +190,16 @@ def _response(chat: bool, model: ModelState, ctx: RequestContext, plan: OpenAIPl
               tokens: list[pb.Token]) -> dict:
     common = {"created": int(time.time()), "model": _answered_by(model, plan),
               "system_fingerprint": _fingerprint(model),
-              "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, tokens[-1].finish)}
-    first = next(t for t in tokens if t.sequence == 0)
+              "usage": usage(ctx.prompt_tokens, ctx.generated_tokens, ctx.finish)}
     call_id = f"call_{ctx.request_id[:16]}"
-    choices = [_choice(chat, plan, seq, i, first, call_id) for i, seq in enumerate(best_sequences(tokens, plan.n))]
+    per = plan.engine.n  # sequences per prompt (best_of); prompt k's n choices take indexes k*n ..
+    choices = []
+    for k, prompt in enumerate(plan.prompts):
+        mine = [t for t in tokens if k * per <= t.sequence < (k + 1) * per]
+        first = next(t for t in mine if t.sequence == k * per)
+        choices += [_choice(chat, prompt, seq, k * plan.n + j, first, call_id)
+                    for j, seq in enumerate(best_sequences(mine, plan.n))]
+    first = next(t for t in tokens if t.sequence == 0)
     if chat:
         body = {"id": "chatcmpl-" + ctx.request_id, "object": "chat.completion", **common, "choices": choices}
         if plan.prompt_logprobs is not None:

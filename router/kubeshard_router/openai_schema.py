@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import orjson
@@ -100,7 +100,8 @@ class _Common(RequestBody):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
-        ..., description="One prompt: a string or a list of token ids.")
+        ..., description="A prompt (a string or a list of token ids), or a list of prompts: each gets `n` "
+                         "choices, prompt k's at indexes k*n .. k*n+n-1.")
     max_tokens: Optional[int] = Field(16, description="Default 16, as OpenAI's.", json_schema_extra=_doc(minimum=1))
     echo: bool = False
     logprobs: Optional[int] = Field(None, description="Alternatives per token, <= the server max.",
@@ -156,6 +157,18 @@ class OpenAIPlan:
     prompt_logprobs: Optional[int] = None
     # special tokens whose text stays even when skipped: the tool-call format's markers
     special_kept: frozenset[str] = frozenset()
+    # a completion's further prompts (prompt: [...]), each generated on its own; prompt_tokens
+    # above then counts every prompt's tokens
+    more: tuple["OpenAIPlan", ...] = ()
+
+    @property
+    def prompts(self) -> tuple["OpenAIPlan", ...]:
+        """This plan and its further prompts' plans, in the request's order."""
+        return (self, *self.more)
+
+    @property
+    def engines(self) -> tuple[EngineRequest, ...]:
+        return tuple(p.engine for p in self.prompts)
 
 
 def _grammar(req: "_Common") -> Optional[GrammarRequest]:
@@ -345,6 +358,10 @@ def _max_tokens(value: Optional[int], name: str) -> Optional[int]:
     return value
 
 
+# prompts one completion may hold (OpenAI's limit)
+MAX_PROMPTS = 2048
+
+
 def plan_completion(req: CompletionRequest, tokenizer: ModelTokenizer, limits: Limits) -> OpenAIPlan:
     n, sequences = _sequences(req, req.best_of, limits)
     if req.suffix:
@@ -355,21 +372,29 @@ def plan_completion(req: CompletionRequest, tokenizer: ModelTokenizer, limits: L
     params = _common(req, limits)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ValidationFailed(f"`prompt` holds {len(prompt)} prompts; kubeshard takes one prompt "
-                                   f"per request", param="prompt")
-        prompt = prompt[0]
+        if len(prompt) > MAX_PROMPTS:
+            raise ValidationFailed(f"`prompt` holds {len(prompt)} prompts; at most {MAX_PROMPTS}", param="prompt")
+        plans = [_plan_prompt(req, one, f"prompt[{k}]", params, sequences, n, tokenizer, limits)
+                 for k, one in enumerate(prompt)]
+        if len(plans) == 1:
+            return plans[0]
+        return replace(plans[0], prompt_tokens=sum(p.prompt_tokens for p in plans), more=tuple(plans[1:]))
+    return _plan_prompt(req, prompt, "prompt", params, sequences, n, tokenizer, limits)
+
+
+def _plan_prompt(req: CompletionRequest, prompt: Union[str, list[int]], field: str, params: dict,
+                 sequences: int, n: int, tokenizer: ModelTokenizer, limits: Limits) -> OpenAIPlan:
     if isinstance(prompt, str):
         if not prompt:
-            raise ValidationFailed("`prompt` cannot be empty", param="prompt")
+            raise ValidationFailed(f"`{field}` cannot be empty", param=field)
         ids = tokenizer.encode(prompt, add_special_tokens=True)
         text = prompt
     else:
         ids = list(prompt)
-        check_token_ids(ids, limits.vocab_size, "prompt")
+        check_token_ids(ids, limits.vocab_size, field)
         text = tokenizer.decode(ids) if req.echo else ""
     max_new = check_budget(len(ids), _max_tokens(req.max_tokens, "max_tokens"), limits,
-                           input_field="prompt", max_new_field="max_tokens")
+                           input_field=field, max_new_field="max_tokens")
     logprobs = req.logprobs
     prompt_logprobs = req.prompt_logprobs
     engine = EngineRequest(input_ids=ids, max_new_tokens=max_new, top_n_tokens=logprobs or 0,

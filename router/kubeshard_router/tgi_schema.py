@@ -79,6 +79,10 @@ class TgiPlan:
     details: bool
     decoder_input_details: bool
 
+    @property
+    def engines(self) -> tuple[EngineRequest, ...]:
+        return (self.engine,)
+
 
 def _positive(value: Optional[float], name: str) -> None:
     if value is not None and value <= 0:

@@ -125,6 +125,39 @@ def test_n_choices_are_reproducible_with_a_seed(client, model):
     assert len(chat.choices) == 2 and [c.index for c in chat.choices] == [0, 1]
 
 
+def test_several_prompts_in_one_completion(serve, client, model):
+    """prompt: [...] (as OpenAI and vLLM take it): each prompt gets n choices, prompt k's at
+    indexes k*n .., the same texts as the prompt alone; usage sums them; streamed too."""
+    kw = dict(model=model, max_tokens=6, n=2, seed=21, extra_body={"ignore_eos": True})
+    prompts = ["Tell me", "Pick one", "Why"]
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    both = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in both.choices] == list(range(6))
+    assert [c.text for c in both.choices] == [c.text for a in alone for c in a.choices]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 36
+    stream = client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw)
+    streamed, usage = [""] * 6, None
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+        usage = chunk.usage or usage
+    assert streamed == [c.text for c in both.choices]
+    assert usage.prompt_tokens == both.usage.prompt_tokens and usage.completion_tokens == 36
+    # token-id prompts, echo: each choice as its prompt alone gives it, its own prompt first
+    ids = [httpx.post(serve.url + "/tokenize", json={"model": model, "prompt": p}, timeout=60).json()["tokens"]
+           for p in prompts[:2]]
+    echo = dict(model=model, max_tokens=3, echo=True, temperature=0)
+    echoed = client.completions.create(prompt=ids, **echo)
+    assert [c.text for c in echoed.choices] == [client.completions.create(prompt=i, **echo).choices[0].text
+                                                for i in ids]
+    assert all(p in c.text for c, p in zip(echoed.choices, prompts))
+    # one bad prompt refuses the request, naming it; none of it runs
+    r = httpx.post(serve.url + "/v1/completions", json={"model": model, "prompt": ["fine", ""], "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt[1]", r.text
+
+
 def test_best_of_returns_the_likeliest(client, model):
     out = client.completions.create(model=model, prompt="Pick", max_tokens=8, n=1, best_of=4, seed=5,
                                     logprobs=0, extra_body={"ignore_eos": True})

@@ -142,6 +142,31 @@ def test_client_disconnect_cancels_the_backend_stream(router):
     assert metric(router, "kubeshard_router_client_disconnects_total") == 1
 
 
+def test_a_completion_of_several_prompts_fails_and_leaves_as_one(router):
+    """prompt: [...] runs one generation per prompt side by side: a failure in one ends the
+    whole answer (an error event, no [DONE]; a non-streaming 424) and stops the others, and
+    a client that leaves cancels every one."""
+    stub = router.stub()
+    stub.behaviour.fail_after_tokens = 2
+    oa = httpx.post(router.url + "/v1/completions", json={"prompt": ["hi", "there"], "max_tokens": 10,
+                                                          "stream": True}, timeout=30)
+    last = sse(oa.text)[-1]
+    assert last["error"]["type"] == "server_error" and "[DONE]" not in oa.text
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": ["hi", "there"], "max_tokens": 10}, timeout=30)
+    assert r.status_code == 424 and "failed after 2 tokens" in r.json()["error"]["message"], r.text
+    assert wait_for(lambda: stub.counters.active == 0)
+    stub.behaviour.fail_after_tokens = None
+    stub.behaviour.token_delay_s = 0.2  # 100 tokens would take 20 s
+    cancelled = stub.counters.cancelled
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", router.url + "/v1/completions",
+                           json={"prompt": ["a", "b", "c"], "max_tokens": 100, "stream": True}) as s:
+            for _ in sse_events(s.iter_lines()):
+                break
+    assert wait_for(lambda: stub.counters.cancelled == cancelled + 3 and stub.counters.active == 0)
+    assert wait_for(lambda: router.state.registry.models["stub"].admission.in_flight == 0)
+
+
 def test_client_disconnect_before_the_first_token_cancels_too(router):
     stub = router.stub()
     stub.behaviour.first_token_delay_s = 30

@@ -234,7 +234,17 @@ def test_completion_prompt_forms(tok):
     assert openai(tok, CompletionRequest, {"prompt": ["hello world"]}).engine.input_ids == ids
     assert openai(tok, CompletionRequest, {"prompt": ids}).engine.input_ids == ids
     assert openai(tok, CompletionRequest, {"prompt": [ids]}).engine.input_ids == ids
-    assert "holds 2 prompts" in openai_error(tok, CompletionRequest, {"prompt": ["a", "b"]}).message
+    two = openai(tok, CompletionRequest, {"prompt": ["hello world", "a b c"], "n": 1})
+    assert [p.engine.input_ids for p in two.prompts] == [ids, tok.encode("a b c")]
+    assert two.engines == (two.engine, two.more[0].engine)
+    assert two.prompt_tokens == len(ids) + len(tok.encode("a b c"))  # every prompt's tokens
+    assert [p.prompt_tokens for p in two.more] == [len(tok.encode("a b c"))]
+    assert [p.engine.input_ids for p in openai(tok, CompletionRequest, {"prompt": [ids, [5, 6]]}).prompts] == \
+        [ids, [5, 6]]
+    assert "`prompt[1]` cannot be empty" in openai_error(tok, CompletionRequest, {"prompt": ["a", ""]}).message
+    assert "`prompt[1][0]` = 99999 is not a token id" in openai_error(
+        tok, CompletionRequest, {"prompt": [[1], [99999]]}).message
+    assert "at most 2048" in openai_error(tok, CompletionRequest, {"prompt": ["a"] * 2049}).message
     assert "`prompt[1]` = 99999 is not a token id" in openai_error(
         tok, CompletionRequest, {"prompt": [1, 99999]}).message
     assert "`prompt` cannot be empty" in openai_error(tok, CompletionRequest, {"prompt": ""}).message
