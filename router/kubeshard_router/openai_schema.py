@@ -358,7 +358,7 @@ def _max_tokens(value: Optional[int], name: str) -> Optional[int]:
     return value
 
 
-# prompts one completion may hold (OpenAI's limit)
+# prompts one completion may hold: each is a generation of its own, all run side by side
 MAX_PROMPTS = 2048
 
 
