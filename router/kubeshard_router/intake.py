@@ -41,6 +41,10 @@ from kubeshard_router.validation import Limits, RequestBody, parse_body
 log = logging.getLogger("kubeshard.router.http")
 
 DEFAULT_ALIAS = "tgi"  # the `model` the text-generation client's chat() sends
+# generations of one request of several (a completion's prompts) running at once: the rest
+# wait their turn inside the request, so that a long list neither fills the model's
+# admission queue (a 429 for all of it) nor crowds out other callers
+GENERATIONS_AT_ONCE = 64
 
 
 class Plan(Protocol):
@@ -298,16 +302,18 @@ class Intake:
             return
         parts = self._parts(admitted)
         queue: asyncio.Queue = asyncio.Queue()
+        turns = asyncio.Semaphore(GENERATIONS_AT_ONCE)
 
         async def run(engine: EngineRequest, ctx: RequestContext, offset: int) -> None:
             finished = 0
             try:
-                async for t in self.generation.stream(model, engine, ctx, control):
-                    if t.HasField("finish"):
-                        finished += 1
-                        if finished == engine.n:  # its last: the counts a final usage chunk reads
-                            add_finished(admitted.ctx, ctx)
-                    await queue.put(renumbered(t, offset))
+                async with turns:
+                    async for t in self.generation.stream(model, engine, ctx, control):
+                        if t.HasField("finish"):
+                            finished += 1
+                            if finished == engine.n:  # its last: the counts a final usage chunk reads
+                                add_finished(admitted.ctx, ctx)
+                        await queue.put(renumbered(t, offset))
                 await queue.put(None)
             except BaseException as exc:  # handed to the reader, which raises it
                 await queue.put(exc)
@@ -335,8 +341,13 @@ class Intake:
         if len(admitted.plan.engines) == 1:
             return await self.generation.collect(model, admitted.plan.engine, admitted.ctx, control)
         parts = self._parts(admitted)
-        tasks = [asyncio.create_task(self.generation.collect(model, engine, ctx, control))
-                 for engine, ctx, _ in parts]
+        turns = asyncio.Semaphore(GENERATIONS_AT_ONCE)
+
+        async def run(engine: EngineRequest, ctx: RequestContext) -> list[pb.Token]:
+            async with turns:
+                return await self.generation.collect(model, engine, ctx, control)
+
+        tasks = [asyncio.create_task(run(engine, ctx)) for engine, ctx, _ in parts]
         try:
             answers = await asyncio.gather(*tasks)
         finally:  # one failed (or the client left): the others stop too

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -165,6 +166,31 @@ def test_a_completion_of_several_prompts_fails_and_leaves_as_one(router):
                 break
     assert wait_for(lambda: stub.counters.cancelled == cancelled + 3 and stub.counters.active == 0)
     assert wait_for(lambda: router.state.registry.models["stub"].admission.in_flight == 0)
+
+
+def test_a_long_list_of_prompts_runs_a_bounded_number_at_once(router):
+    from kubeshard_router.intake import GENERATIONS_AT_ONCE
+
+    stub = router.stub()
+    stub.behaviour.token_delay_s = 0.05
+    count = GENERATIONS_AT_ONCE + 16
+    peak = 0
+    for stream in (False, True):
+        out: list = []
+        thread = post_in_thread(router.url + "/v1/completions", {"prompt": [f"p{i}" for i in range(count)],
+                                                                 "max_tokens": 4, "stream": stream}, out)
+        while thread.is_alive():
+            peak = max(peak, stub.counters.active)
+            time.sleep(0.005)
+        status, text, _ = out[0]
+        assert status == 200, text
+        if stream:
+            finished = [c["index"] for e in sse(text) if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
+            assert sorted(finished) == list(range(count))
+        else:
+            assert [c["index"] for c in json.loads(text)["choices"]] == list(range(count))
+            assert json.loads(text)["usage"]["completion_tokens"] == 4 * count
+    assert GENERATIONS_AT_ONCE // 2 < peak <= GENERATIONS_AT_ONCE
 
 
 def test_client_disconnect_before_the_first_token_cancels_too(router):
