@@ -1,6 +1,10 @@
-"""The CPU kernels built ahead of time, one per x86-64 level (the shard image has no compiler)."""
+"""The CPU kernels built ahead of time, one per x86-64 level (the shard image has no compiler),
+and the cache of the builds made on a machine."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 
@@ -53,3 +57,22 @@ def test_a_folder_without_a_module_for_this_cpu_leaves_the_torch_paths(tmp_path,
     fake_modules(tmp_path, ("x86-64-v4",))
     monkeypatch.setenv(kernels.PREBUILT_ENV, str(tmp_path))
     assert kernels.module.__wrapped__(AVX2.line) is None
+
+
+def test_build_folders_unused_for_two_weeks_are_deleted(tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBESHARD_CACHE", str(tmp_path))
+    builds = tmp_path / "kernels"
+    old, recent, other = builds / "cpu_0ld", builds / "cpu_recent", builds / "prebuilt"
+    weeks_ago = time.time() - (kernels.UNUSED_BUILD_DAYS + 1) * 86400
+    for folder in (old, recent, other):
+        folder.mkdir(parents=True)
+        (folder / "module.so").write_bytes(b"")
+    for folder in (old, other):
+        os.utime(folder, (weeks_ago, weeks_ago))
+    used = kernels._build_dir("flags of a CPU")  # a build folder in use: its own, kept and marked used
+    assert not old.exists() and recent.exists() and other.exists()  # only build folders go
+    assert used.is_dir() and time.time() - used.stat().st_mtime < 60
+    os.utime(used, (weeks_ago, weeks_ago))
+    assert kernels.prune_unused_builds(builds, keep=used) == [] and used.exists()  # the one in use stays
+    os.utime(recent, (weeks_ago, weeks_ago))
+    assert kernels.prune_unused_builds(builds, keep=used) == [recent]

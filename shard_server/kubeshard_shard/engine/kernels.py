@@ -11,7 +11,8 @@ live in SIMD registers (the head size is a template constant), and the next bloc
 the table is prefetched by hand, since blocks lie anywhere in the pool. Decode attention
 is bound by memory, and this runs at a good fraction of the machine's DRAM bandwidth.
 It is built with torch's C++ extension loader on first use (g++ and ninja), cached
-outside the clone, and keyed by its source and the CPU's flags; when it cannot be built,
+outside the clone, and keyed by its source and the CPU's flags (a build folder no process
+has used for two weeks is deleted); when it cannot be built,
 or for a head size it does not handle, the torch fallback in ``attention.py`` serves
 (slower, same results up to float rounding). A machine without a compiler (the shard
 image) loads a module built ahead of time instead: ``prebuild`` compiles one per x86-64
@@ -35,7 +36,9 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -79,6 +82,11 @@ def _source_text() -> str:
     return "".join((CSRC / name).read_text() for name in SOURCES + HEADERS)
 
 
+# a build folder no process has used for this long is deleted (every change to the sources,
+# the flags or torch makes a new one, and a clone in a new place too)
+UNUSED_BUILD_DAYS = 14
+
+
 def _build_dir(flags: str) -> Path:
     # The folder of the sources counts too: torch's build also keys on the sources' paths,
     # so two checkouts of the same sources sharing one folder (a CI clone beside the working
@@ -87,7 +95,26 @@ def _build_dir(flags: str) -> Path:
                          ).hexdigest()[:16]
     path = cache_root() / "kernels" / f"cpu_{key}"
     path.mkdir(parents=True, exist_ok=True)
+    os.utime(path)  # used now: its modification time is its last use
+    prune_unused_builds(path.parent, keep=path)
     return path
+
+
+def prune_unused_builds(folder: Path, keep: Path, days: float = UNUSED_BUILD_DAYS) -> list[Path]:
+    """Deletes the build folders under ``folder`` (but ``keep``) that no process has used
+    for ``days``; returns them. A process that loaded one keeps its module (mapped into
+    memory); one building in it now has just written to it."""
+    oldest = time.time() - days * 86400
+    pruned = []
+    for build in folder.glob("cpu_*"):
+        try:
+            unused = build != keep and build.is_dir() and build.stat().st_mtime < oldest
+        except FileNotFoundError:  # another process pruned it first
+            continue
+        if unused:
+            shutil.rmtree(build, ignore_errors=True)
+            pruned.append(build)
+    return pruned
 
 
 def _cflags(march: str) -> list[str]:
