@@ -209,43 +209,50 @@ struct QuantX {
   }
 };
 
-// The paired layout (int4 on AVX-512, see q4_rows512): blocks 2p and 2p + 1 of a row as
-// [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 | 2p+1: 16-31], the order in which one 512-bit
-// read of the two blocks' packed weights widens (low nibbles, then high); a last odd
-// block stays as it is.
-static void pair_blocks(int16_t* q, int64_t M, int64_t K) {
-  int16_t two[64];
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b + 2 <= K / 32; b += 2) {
-      int16_t* at = q + r * K + b * 32;
-      std::memcpy(two, at, sizeof(two));
-      for (int i = 0; i < 16; ++i) {
-        at[i] = two[i];
-        at[16 + i] = two[32 + i];
-        at[32 + i] = two[16 + i];
-        at[48 + i] = two[48 + i];
-      }
-    }
-}
+// Where each of the 64 values of a pair of blocks (2p, 2p + 1) of x comes from in a layout:
+// position i takes value from[i] (0-31: block 2p's, 32-63: block 2p+1's).
+struct PairOrder {
+  uint8_t from[64];
+};
 
-// The quad layout (int4 on AVX2 without AVX-512, see q4_row): blocks 2p and 2p + 1 of a
-// row as four vectors of 16, [2p: 0 2 .. 14 | 2p+1: 0 2 .. 14], [16 18 .. 30 | ...],
-// [1 3 .. 15 | ...], [17 19 .. 31 | ...], the order in which the four nibbles of each
-// 16-bit word of one 256-bit read of the two blocks' packed weights come out
-// (q4_pair_weights); a last odd block stays as it is.
-static void quad_blocks(int16_t* q, int64_t M, int64_t K) {
+// The paired layout (int4 on AVX-512, see q4_rows512): [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 |
+// 2p+1: 16-31], the order in which one 512-bit read of the two blocks' packed weights
+// widens (low nibbles, then high).
+static constexpr PairOrder kPairedFrom = [] {
+  PairOrder o{};
+  for (int i = 0; i < 16; ++i) {
+    o.from[i] = i;
+    o.from[16 + i] = 32 + i;
+    o.from[32 + i] = 16 + i;
+    o.from[48 + i] = 48 + i;
+  }
+  return o;
+}();
+
+// The quad layout (int4 on AVX2 without AVX-512, see q4_row): four vectors of 16,
+// [2p: 0 2 .. 14 | 2p+1: 0 2 .. 14], [16 18 .. 30 | ...], [1 3 .. 15 | ...],
+// [17 19 .. 31 | ...], the order in which the four nibbles of each 16-bit word of one
+// 256-bit read of the two blocks' packed weights come out (q4_pair_weights).
+static constexpr PairOrder kQuadFrom = [] {
+  PairOrder o{};
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 8; ++k) {
+      o.from[h * 8 + k] = h * 32 + 2 * k;
+      o.from[16 + h * 8 + k] = h * 32 + 16 + 2 * k;
+      o.from[32 + h * 8 + k] = h * 32 + 2 * k + 1;
+      o.from[48 + h * 8 + k] = h * 32 + 17 + 2 * k;
+    }
+  return o;
+}();
+
+// Each row's blocks of x, in pairs, put in `order`; a last odd block stays as it is.
+static void reorder_pairs(int16_t* q, int64_t M, int64_t K, const PairOrder& order) {
   int16_t two[64];
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b + 2 <= K / 32; b += 2) {
       int16_t* at = q + r * K + b * 32;
       std::memcpy(two, at, sizeof(two));
-      for (int h = 0; h < 2; ++h)
-        for (int k = 0; k < 8; ++k) {
-          at[h * 8 + k] = two[h * 32 + 2 * k];
-          at[16 + h * 8 + k] = two[h * 32 + 16 + 2 * k];
-          at[32 + h * 8 + k] = two[h * 32 + 2 * k + 1];
-          at[48 + h * 8 + k] = two[h * 32 + 17 + 2 * k];
-        }
+      for (int i = 0; i < 64; ++i) at[i] = two[order.from[i]];
     }
 }
 
@@ -304,8 +311,8 @@ static void quantize_x(QuantX& out, const float* x, int64_t M, int64_t K, XLayou
     out.sum[r] = s;
     out.err[r] = s - d * float(qs);
   }
-  if (layout == XLayout::kPaired) pair_blocks(out.q.data(), M, K);
-  if (layout == XLayout::kQuad) quad_blocks(out.q.data(), M, K);
+  if (layout == XLayout::kPaired) reorder_pairs(out.q.data(), M, K, kPairedFrom);
+  if (layout == XLayout::kQuad) reorder_pairs(out.q.data(), M, K, kQuadFrom);
 }
 
 // The calling thread's QuantX: a decode step makes about a hundred GEMM calls, each of
@@ -526,7 +533,7 @@ static inline void read_block(const Rows& rows, int64_t b, __m256i& wa, __m256i&
 
 // The four vectors of 16 weights in one 256-bit read of two int4 blocks (b, b + 1), the
 // four nibbles of each 16-bit word: [b: 0 2 .. 14 | b+1: 0 2 .. 14], [16 18 .. 30 | ...],
-// [1 3 .. 15 | ...], [17 19 .. 31 | ...] (quad_blocks puts x in the same order).
+// [1 3 .. 15 | ...], [17 19 .. 31 | ...] (kQuadFrom puts x in the same order).
 static inline void q4_pair_weights(const uint8_t* w, __m256i (&s)[4]) {
   const __m256i low = _mm256_set1_epi16(0x0F);
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -541,7 +548,7 @@ static inline __m256i q4_pair_dot(const __m256i (&s)[4], const int16_t* x) {
   return _mm256_add_epi32(dot32(s[0], s[1], x), dot32(s[2], s[3], x + 32));
 }
 
-// One int4 row of W against MR rows of x (from row m0) in the quad layout (quad_blocks).
+// One int4 row of W against MR rows of x (from row m0) in the quad layout (kQuadFrom).
 //
 // Why not block by block (quant_row): the widening of a block's 16 bytes (vpmovzxbw) and
 // the horizontal sums of its dot's eight lanes all ran on the one shuffle port (Intel's
@@ -731,7 +738,7 @@ static inline void reduce_two(__m512 a, __m512 b, float& sa, float& sb) {
 // NR (1 or 2) int4 rows of W against MR rows of x (from row m0) in 512-bit vectors, two
 // blocks at a time: their 32 packed bytes widen to 32 int16 (both blocks' bytes), whose
 // low nibbles are values 0-15 of each block and high nibbles values 16-31; x is in the
-// paired layout (pair_blocks), so two multiply-adds give 16 lanes, eight a block, which
+// paired layout (kPairedFrom), so two multiply-adds give 16 lanes, eight a block, which
 // are converted and scaled (lanes 0-7 by the first block's x and W scales, 8-15 by the
 // second's) into one float accumulator. The minimums' terms (q4_min_terms) are summed
 // block by block beside them, and a row's lanes are summed once, at its end, two rows
