@@ -14,7 +14,12 @@ without AVX-512).
                                      [--march native|x86-64-v3]
 
 ``--march x86-64-v3`` builds both for an AVX2 CPU (no AVX-512, no VNNI): the AVX2 kernels
-measured on a machine that has more (``quant-kernels-x86-64-v3.md``).
+measured on a machine that has more (``quant-kernels-x86-64-v3.md``). ``--levels
+x86-64-v4-vnni,x86-64-v4,...`` instead times this checkout's kernels built for each of
+those x86-64 levels (``engine/kernels.py``'s, the shard image's prebuilt modules) side by
+side, each against the first (``quant-kernels-levels.md``).
+
+    python -m bench.quant_gemm_bench --levels x86-64-v4-vnni,x86-64-v4,x86-64-v3-vnni,x86-64-v3
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from bench.common import demo_model, isa_results, load_average_lines, machine, m
 from bench.cpu_gemm_bench import kernel_builds, measure, model_weights
 from bench.quantization_bench import copy_bandwidth
 from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
+from kubeshard_shard.engine import kernels
+from kubeshard_shard.hardware import CpuFeatures
 from kubeshard_shard.models import quant
 
 INT4_GROUP = 32
@@ -60,6 +67,24 @@ def gemm_of(module):
     return gemm
 
 
+def level_builds(levels: list[str]) -> dict:
+    """This checkout's kernels built for each x86-64 level (as ``kernels.prebuild`` builds
+    the shard image's), by level; exits when this CPU does not run one of them."""
+    flags = CpuFeatures.detect().flags
+    needs = dict(kernels.LEVELS)
+    builds = {}
+    for level in levels:
+        if level not in needs:
+            raise SystemExit(f"--levels: {level!r} is not one of {', '.join(needs)}")
+        if not needs[level] <= flags:
+            lacks = ", ".join(sorted(needs[level] - flags))
+            raise SystemExit(f"--levels: this CPU does not run {level} (it lacks {lacks})")
+        builds[level] = kernels.module(march=level)
+        if builds[level] is None:
+            raise SystemExit(f"the CPU kernels could not be built for {level}")
+    return builds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="default,small")
@@ -67,22 +92,29 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--against", help="also time the kernels as they were at this git revision")
     parser.add_argument("--march", default="native", help="the instruction set to build for (x86-64-v3: AVX2)")
+    parser.add_argument("--levels", help="time builds for these x86-64 levels side by side instead")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
-    results_name = isa_results("quant-kernels") if args.march == "native" else f"quant-kernels-{args.march}"
+    results_name = ("quant-kernels-levels" if args.levels
+                    else isa_results("quant-kernels") if args.march == "native" else f"quant-kernels-{args.march}")
     if args.render:
         rerender(results_name, render)
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    builds, args.against = kernel_builds(args.against, args.march)
+    if args.levels:
+        builds = level_builds(args.levels.split(","))
+    else:
+        builds, args.against = kernel_builds(args.against, args.march)
     paths = {name: gemm_of(module) for name, module in builds.items()}
     rows = [int(r) for r in args.rows.split(",")]
     bandwidth = copy_bandwidth()
     results = {"machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9, "reps": args.reps, "models": {},
                "command": f"python -m bench.quant_gemm_bench --models {args.models} --rows {args.rows} "
                           f"--reps {args.reps}" + (f" --against {args.against}" if args.against else "")
-                          + (f" --march {args.march}" if args.march != "native" else ""),
-               "against": args.against, "march": args.march, "load_average_1m": {"before": os.getloadavg()[0]}}
+                          + (f" --march {args.march}" if args.march != "native" else "")
+                          + (f" --levels {args.levels}" if args.levels else ""),
+               "against": args.against, "march": args.march, "levels": list(builds) if args.levels else None,
+               "load_average_1m": {"before": os.getloadavg()[0]}}
     for name in args.models.split(","):
         model_dir = local_checkpoint(default_model_file()) if name == "default" else demo_model(size=name)
         layers, _ = model_weights(model_dir)
@@ -110,8 +142,22 @@ def render(r: dict) -> str:
              "*× bound*: the pass's time over its weight bytes ÷ copy bandwidth."
              + (f" *ours at {against}*: the same kernels built from that revision, in the same run." if against
                 else ""), ""]
+    levels = r.get("levels")
+    if levels:
+        lines[-2] += (f" One build of this checkout's kernels per x86-64 level ({', '.join(levels)}), each flagged "
+                      f"as `engine/kernels.py` builds the shard image's; *speed-up*: the level's time over "
+                      f"{levels[0]}'s.")
     for name, section in r["models"].items():
         for kind, t in section.items():
+            if levels:
+                header = ["rows"] + [f"{level} ms (× bound)" for level in levels]
+                header += [f"{levels[0]} speed-up over {level}" for level in levels[1:]]
+                rows = [[m_rows] + [f"{times[level]:.2f} ({times[level] / t['bound_ms']:.2f})" for level in levels]
+                        + [f"{times[level] / times[levels[0]]:.2f}×" for level in levels[1:]]
+                        for m_rows, times in t["times"].items()]
+                lines += [f"## {name} model, {kind} ({t['weight_bytes'] / 2**20:.1f} MiB, bound "
+                          f"{t['bound_ms']:.2f} ms)", "", *md_table(header, rows, right=True), ""]
+                continue
             header = ["rows", "ours ms", "GB/s", "× bound"]
             if against:
                 header += [f"ours at {against} ms", f"× bound at {against}", "speed-up"]

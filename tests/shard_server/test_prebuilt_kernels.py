@@ -15,7 +15,10 @@ from tests.support.cpu_kernels import F32_SHAPES, check_float32_kernel
 AVX2 = CpuFeatures.parse("flags : fpu sse2 cx16 lahf_lm popcnt pni sse4_1 sse4_2 ssse3 avx avx2 bmi1 bmi2 f16c fma "
                          "abm movbe xsave")
 AVX512 = CpuFeatures(AVX2.flags | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
+AVX512_VNNI = CpuFeatures(AVX512.flags | {"avx512_vnni"})
+AVX2_VNNI = CpuFeatures(AVX2.flags | {"avx_vnni"})
 BASELINE = CpuFeatures.parse("flags : fpu sse sse2")
+ALL = tuple(level for level, _ in kernels.LEVELS)
 
 
 def fake_modules(folder, levels):
@@ -25,11 +28,14 @@ def fake_modules(folder, levels):
 
 
 @pytest.mark.parametrize("cpu, present, want", [
-    (AVX512, ("x86-64-v4", "x86-64-v3", "x86-64"), "x86-64-v4"),
-    (AVX2, ("x86-64-v4", "x86-64-v3", "x86-64"), "x86-64-v3"),
-    (BASELINE, ("x86-64-v4", "x86-64-v3", "x86-64"), "x86-64"),
+    (AVX512_VNNI, ALL, "x86-64-v4-vnni"),
+    (AVX512, ALL, "x86-64-v4"),
+    (AVX2_VNNI, ALL, "x86-64-v3-vnni"),
+    (AVX2, ALL, "x86-64-v3"),
+    (BASELINE, ALL, "x86-64"),
+    (AVX512_VNNI, ("x86-64-v4", "x86-64-v3", "x86-64"), "x86-64-v4"),  # an image built before the VNNI levels
     (AVX512, ("x86-64-v3", "x86-64"), "x86-64-v3"),   # an image built without the v4 module
-    (AVX2, ("x86-64-v4",), None),                     # nothing this CPU runs
+    (AVX2, ("x86-64-v4-vnni", "x86-64-v4", "x86-64-v3-vnni"), None),  # nothing this CPU runs
 ])
 def test_the_highest_level_the_cpu_runs_is_chosen(tmp_path, cpu, present, want):
     fake_modules(tmp_path, present)

@@ -48,15 +48,18 @@ def test_float32_kernels_name_a_bad_argument(k):
             gemm(x, w, torch.randn(4))
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3-vnni", "x86-64-v3", "x86-64"])
 def test_gemm_kernels_of_the_portable_builds_are_exact(march):
-    """The kernels built for an AVX2-only CPU and for plain x86-64 (the tests above check
-    this CPU's own build): their float32 and integer tiles are other code, checked here too."""
+    """The kernels of the shard image's x86-64 levels (the tests above check this CPU's
+    own build): AVX-512 without VNNI, AVX2 with and without it, and plain x86-64 are each
+    other code in the float32 and integer tiles, checked here too (the v4 level with VNNI
+    is what the tests above check on a CPU with AVX-512 VNNI)."""
     from kubeshard_shard.engine import kernels
     from kubeshard_shard.hardware import CpuFeatures
 
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(CpuFeatures.detect().flags):
-        pytest.skip("this CPU cannot run an AVX2 build")
+    lacks = dict(kernels.LEVELS)[march] - CpuFeatures.detect().flags
+    if lacks:
+        pytest.skip(f"this CPU cannot run a {march} build (it lacks {', '.join(sorted(lacks))})")
     built = kernels.module(march=march)
     assert built is not None, f"the CPU kernels failed to build for -march={march}"
     for m, n, kdim in F32_SHAPES:

@@ -16,9 +16,9 @@ has used for two weeks is deleted); when it cannot be built,
 or for a head size it does not handle, the torch fallback in ``attention.py`` serves
 (slower, same results up to float rounding). A machine without a compiler (the shard
 image) loads a module built ahead of time instead: ``prebuild`` compiles one per x86-64
-level (v4: AVX-512, v3: AVX2 and FMA, and the baseline) with setuptools and torch's
-``BuildExtension`` (which compile without importing, so a build machine need not run
-the AVX-512 one), and ``KUBESHARD_PREBUILT_KERNELS`` names their folder; the highest
+level (v4: AVX-512, v3: AVX2 and FMA, each also with VNNI, and the baseline) with
+setuptools and torch's ``BuildExtension`` (which compile without importing, so a build
+machine need not run the AVX-512 one), and ``KUBESHARD_PREBUILT_KERNELS`` names their folder; the highest
 level this CPU runs is loaded.
 
 ``module()`` is the whole extension (decode attention over every pool type, the GEMMs,
@@ -61,7 +61,18 @@ PREBUILT_ENV = "KUBESHARD_PREBUILT_KERNELS"
 _V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-LEVELS = (("x86-64-v4", _V4), ("x86-64-v3", _V3), ("x86-64", frozenset()))
+# Each level's flags for the compiler; a level not named here is a -march of its own name.
+# The "-vnni" levels add the integer dot product instructions (vpdpwssd: one instruction
+# where a multiply-add and an add were) that most server CPUs of the last years have
+# beyond their x86-64 level: AVX-512 VNNI (Xeon since Cascade Lake, Zen 4) and AVX-VNNI
+# (Xeon 6 E-cores, Alder Lake and after). The int8 and int4 GEMMs use them: a pass over
+# the default model's int4 layers at 4 and 8 rows of x took 1/1.09 and 1/1.08 of the plain
+# v4 build's time, 1/1.11 and 1/1.10 of the plain v3's with AVX-VNNI (2026-12-07, Xeon,
+# bench/results/quant-kernels-levels.md; at one row the differences were within noise).
+LEVELS = (("x86-64-v4-vnni", _V4 | {"avx512_vnni"}), ("x86-64-v4", _V4),
+          ("x86-64-v3-vnni", _V3 | {"avx_vnni"}), ("x86-64-v3", _V3), ("x86-64", frozenset()))
+LEVEL_CFLAGS = {"x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"],
+                "x86-64-v3-vnni": ["-march=x86-64-v3", "-mavxvnni"]}
 
 CACHE_TYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16, torch.int8),
                torch.bfloat16: (torch.bfloat16,), torch.float16: (torch.float16,)}
@@ -118,7 +129,9 @@ def prune_unused_builds(folder: Path, keep: Path, days: float = UNUSED_BUILD_DAY
 
 
 def _cflags(march: str) -> list[str]:
-    return ["-O3", f"-march={march}", "-fopenmp", "-fopenmp-simd"]
+    """The compiler's flags for ``march``: ``native``, an x86-64 level of ``LEVELS``, or
+    any ``-march`` value."""
+    return ["-O3", *LEVEL_CFLAGS.get(march, [f"-march={march}"]), "-fopenmp", "-fopenmp-simd"]
 
 
 LDFLAGS = ["-fopenmp"]
