@@ -70,15 +70,17 @@ def kernels_at(ref: str, march: str):
     revision's sources in a temporary folder for ``-march=<march>``."""
     repo = Path(__file__).resolve().parent.parent
     csrc = kernels.CSRC.relative_to(repo)
-    folder = Path(tempfile.mkdtemp(prefix="kubeshard-kernels-"))
-    for name in kernels.SOURCES + kernels.HEADERS:
-        shown = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{csrc / name}"], capture_output=True,
-                               text=True)
-        if shown.returncode != 0 and name in kernels.HEADERS:
-            continue  # a header added since: that revision's sources do not include it
-        shown.check_returncode()
-        (folder / name).write_text(shown.stdout)
-    return kernels.compile_extension(f"kubeshard_cpu_at_{abs(hash((ref, march)))}", folder, folder, march)
+    # the folder goes once the module is loaded (its file stays mapped)
+    with tempfile.TemporaryDirectory(prefix="kubeshard-kernels-") as temp:
+        folder = Path(temp)
+        for name in kernels.SOURCES + kernels.HEADERS:
+            shown = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{csrc / name}"], capture_output=True,
+                                   text=True)
+            if shown.returncode != 0 and name in kernels.HEADERS:
+                continue  # a header added since: that revision's sources do not include it
+            shown.check_returncode()
+            (folder / name).write_text(shown.stdout)
+        return kernels.compile_extension(f"kubeshard_cpu_at_{abs(hash((ref, march)))}", folder, folder, march)
 
 
 def pass_seconds(gemm, weights: list[torch.Tensor], rows: int) -> float:

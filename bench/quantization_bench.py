@@ -206,12 +206,18 @@ def main() -> None:
     if args.render:
         rerender(results_name, render)
         return
-    if args.march != "native":
-        if args.march not in dict(kernels.LEVELS):
-            parser.error(f"--march must be native or one of {', '.join(dict(kernels.LEVELS))}, got {args.march}")
-        folder = Path(tempfile.mkdtemp(prefix="kubeshard-kernels-"))
-        kernels.prebuild(folder, (args.march,))
-        os.environ[kernels.PREBUILT_ENV] = str(folder)  # the only level there: every engine loads it
+    if args.march == "native":
+        measure(args, results_name)
+        return
+    if args.march not in dict(kernels.LEVELS):
+        parser.error(f"--march must be native or one of {', '.join(dict(kernels.LEVELS))}, got {args.march}")
+    with tempfile.TemporaryDirectory(prefix="kubeshard-kernels-") as folder:
+        kernels.prebuild(Path(folder), (args.march,))
+        os.environ[kernels.PREBUILT_ENV] = folder  # the only level there: every engine loads it
+        measure(args, results_name)
+
+
+def measure(args: argparse.Namespace, results_name: str) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth()
     results = {"machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9, "tokens": args.tokens, "models": {},
