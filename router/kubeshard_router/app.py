@@ -18,20 +18,15 @@ from kubeshard_router.activation import ScaleUpHook
 from kubeshard_router.backends.source import BackendSource
 from kubeshard_router.config import RouterConfig
 from kubeshard_router.errors import RouterError, ValidationFailed
-from kubeshard_router.http import ORJSONResponse, api_of, error_response, get_state, route_of
+from kubeshard_router.http import DOCUMENTED_BODIES, ORJSONResponse, api_of, error_response, get_state, route_of
 from kubeshard_router.load_api import router as load_router
 from kubeshard_router.openai_api import router as openai_router
-from kubeshard_router.openai_schema import ChatCompletionRequest, CompletionRequest
 from kubeshard_router.playground import router as playground_router
 from kubeshard_router.state import RouterState
 from kubeshard_router.tgi_api import router as tgi_router
 from kubeshard_router.tokenize_api import router as tokenize_router
-from kubeshard_router.tgi_schema import CompatGenerateRequest, GenerateRequest
 
 log = logging.getLogger("kubeshard.router")
-
-DOCUMENTED_BODIES = (GenerateRequest, CompatGenerateRequest, CompletionRequest, ChatCompletionRequest)
-
 
 def default_sources(config: RouterConfig) -> list[BackendSource]:
     sources: list[BackendSource] = []
@@ -116,7 +111,7 @@ def create_app(config: RouterConfig, *, sources: Optional[list[BackendSource]] =
         schema = get_openapi(title=app.title, version=app.version, description=app.description,
                              routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in DOCUMENTED_BODIES:
+        for model in DOCUMENTED_BODIES.values():
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js

@@ -54,7 +54,17 @@ def error_response(exc: RouterError, api: str, metrics: Optional[RouterMetrics] 
                     media_type="application/json")
 
 
-def json_body_doc(model: type[BaseModel]) -> dict:
-    """``openapi_extra`` documenting a JSON body the handler parses itself (with orjson)."""
+# the models of the bodies json_body_doc documents, by name: the app's OpenAPI document
+# holds their schemas (a route's $ref to one it lacked pointed nowhere)
+DOCUMENTED_BODIES: dict[str, type[BaseModel]] = {}
+
+
+def json_body_doc(*models: type[BaseModel]) -> dict:
+    """``openapi_extra`` documenting a JSON body the handler parses itself (with orjson):
+    one of ``models`` (a route that takes several APIs' bodies names each)."""
+    refs = []
+    for model in models:
+        DOCUMENTED_BODIES[model.__name__] = model
+        refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+        "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}

@@ -120,11 +120,11 @@ def _keys(raw: bytes) -> set[str]:
     return set(data) if isinstance(data, dict) else set()
 
 
-async def _answer(request: Request, route) -> Response:
+async def _answer(request: Request, route, api: str) -> Response:
     """Authenticates, reads the body, and answers ``route(raw)`` → (api, JSON coroutine)
-    as JSON, or its error in that API's shape."""
+    as JSON, or its error in that API's shape; ``api``: the shape of an error before the
+    body says which (a missing key, a body too large)."""
     state = get_state(request)
-    api = "tgi"
     try:
         state.intake.authenticate(request)
         raw = await state.intake.read_body(request)
@@ -135,22 +135,23 @@ async def _answer(request: Request, route) -> Response:
 
 
 @router.post("/tokenize", summary="Tokenize a text or a chat: TGI's body (`inputs`) or vLLM's (`prompt` or `messages`)",
-             openapi_extra=json_body_doc(TokenizeCompletionRequest))
+             openapi_extra=json_body_doc(TgiTokenizeRequest, TokenizeCompletionRequest, TokenizeChatRequest))
 async def tokenize(request: Request) -> Response:
     def route(raw: bytes):
         keys = _keys(raw)
         if "inputs" in keys:
             return "tgi", _tgi_tokenize(request, raw)
         return "openai", _vllm_tokenize(request, raw, chat="messages" in keys and "prompt" not in keys)
-    return await _answer(request, route)
+    return await _answer(request, route, "tgi")  # TGI's route first: its shape until a body says otherwise
 
 
 @router.post("/chat_tokenize", summary="The chat's templated text and its tokens (TGI's)",
              openapi_extra=json_body_doc(ChatCompletionRequest))
 async def chat_tokenize(request: Request) -> Response:
-    return await _answer(request, lambda raw: ("tgi", _tgi_chat_tokenize(request, raw)))
+    return await _answer(request, lambda raw: ("tgi", _tgi_chat_tokenize(request, raw)), "tgi")
 
 
-@router.post("/detokenize", summary="The text of token ids (vLLM's)", openapi_extra=json_body_doc(DetokenizeRequest))
+@router.post("/detokenize", summary="The text of token ids (vLLM's)",
+             openapi_extra=json_body_doc(DetokenizeRequest))
 async def detokenize(request: Request) -> Response:
-    return await _answer(request, lambda raw: ("openai", _vllm_detokenize(request, raw)))
+    return await _answer(request, lambda raw: ("openai", _vllm_detokenize(request, raw)), "openai")
