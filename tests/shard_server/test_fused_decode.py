@@ -24,7 +24,7 @@ class Twin:
 
     def __init__(self, runner) -> None:
         self.runner, self.run = runner, runner.run
-        self.compared, self.rows, self.mismatches = 0, set(), []
+        self.compared, self.rows, self.mismatches, self.adapter_steps = 0, set(), [], 0
         runner.run = self
 
     def pool(self):
@@ -40,7 +40,9 @@ class Twin:
     def __call__(self, inputs):
         fused = self.runner.fused
         rows = len(inputs.input_ids)
-        if fused is None or not fused.serves(rows, inputs.num_decode, len(inputs.prefill_chunks)):
+        if fused is None or not fused.serves(rows, inputs.num_decode, len(inputs.prefill_chunks),
+                                             adapters=inputs.lora_slots is not None):
+            self.adapter_steps += inputs.lora_slots is not None
             return self.run(inputs)
         before = self.pool()
         self.runner.fused = None
@@ -131,8 +133,41 @@ def test_the_step_takes_as_many_rows_as_every_gemm_does_on_our_kernels(demo_mode
     assert not fused.serves(3, 2, 0) and not fused.serves(3, 3, 1) and not fused.serves(0, 0, 0)
 
 
-@pytest.mark.parametrize("overrides", [{"enable_lora": True}, {"cpu_gemm": "torch"}, {"cpu_kernels": False}],
-                         ids=["lora", "cpu-gemm-torch", "no-cpu-kernels"])
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_with_lora_on_steps_without_adapter_rows_go_through_the_fused_step(demo_model, tmp_path, quantize):
+    """A LoRA engine's steps whose rows all decode for the base model are the base
+    layers' alone: the fused step serves them, bit for bit the modules' (LoraLinear's);
+    a step with any adapter row goes through the modules, and each request's tokens are
+    those of an engine serving it alone (the base ones a LoRA-less engine's)."""
+    from tests.support.lora import ALL, make_adapter
+
+    model_dir = demo_model("llama")
+    adapter = make_adapter(model_dir, tmp_path / "a", seed=1, r=8, targets=ALL, alpha=16)
+    served = build_engine(model_dir, quantize=quantize, lora_adapters=(("a", adapter),))
+    assert served.engine.runner.fused is not None
+    twin = Twin(served.engine.runner)
+    prompts = random_prompts(4, served.model_config.vocab_size, (5, 20), seed=11)
+    base_only = run_to_completion(served.engine, [(p, greedy(10)) for p in prompts[:2]])
+    assert twin.compared >= 9 and not twin.adapter_steps, (twin.compared, twin.adapter_steps)
+    # base and adapter requests side by side: the steps with the adapter's rows go through the
+    # modules; once it has finished (it asks fewer tokens), the base rows' steps are fused again
+    plan = [(prompts[2], greedy(16)), (prompts[3], greedy(6, adapter="a"))]
+    compared = twin.compared
+    mixed = run_to_completion(served.engine, plan)
+    assert twin.adapter_steps >= 5 and twin.compared - compared >= 9, (twin.adapter_steps, twin.compared)
+    assert not twin.mismatches, twin.mismatches
+    plain = build_engine(model_dir, quantize=quantize)
+    want = run_to_completion(plain.engine, [(p, greedy(10)) for p in prompts[:2]] + [plan[0], (prompts[3], greedy(6))])
+    want = [[o.token_id for o in out] for out in want]
+    tokens = [[o.token_id for o in out] for out in base_only + mixed]
+    assert tokens[:3] == want[:3]
+    alone = run_to_completion(build_engine(model_dir, quantize=quantize, lora_adapters=(("a", adapter),)).engine,
+                              [plan[1]])
+    assert tokens[3] == [o.token_id for o in alone[0]] and tokens[3] != want[3]  # the adapter's own tokens
+
+
+@pytest.mark.parametrize("overrides", [{"cpu_gemm": "torch"}, {"cpu_kernels": False}],
+                         ids=["cpu-gemm-torch", "no-cpu-kernels"])
 def test_what_the_modules_must_serve_gets_no_fused_step(demo_model, overrides):
     served = build_engine(demo_model("llama"), **overrides)
     assert served.engine.runner.fused is None

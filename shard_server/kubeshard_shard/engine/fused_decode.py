@@ -7,12 +7,15 @@ calling the same kernels the modules call, in their order, with the same argumen
 its logits and the K/V it writes are the modules' bit for bit.
 
 ``build`` takes a model only where that holds: a Llama-family model of the base modules
-(no tensor-parallel layers, no ZeRO-3 hooks, no LoRA), float32, every layer on the CPU
-kernels (RMSNorm, rotary, SwiGLU) and every GEMM on our kernels (float32 through
+(no tensor-parallel layers, no ZeRO-3 hooks), float32, every layer on the CPU kernels
+(RMSNorm, rotary, SwiGLU) and every GEMM on our kernels (float32 through
 ``SmallBatchGemm``, int8/int4 through ``QuantGemm``), and a pool the decode kernel reads.
 A step qualifies when every row decodes one sequence (plain decodes and speculative
-verification rows) and there are no more rows than every GEMM takes on our kernels;
-anything else runs through the modules.
+verification rows), no row uses a LoRA adapter, and there are no more rows than every
+GEMM takes on our kernels; anything else runs through the modules. With LoRA on, the
+projections are ``LoraLinear``s around the base layers; a step without adapter rows is
+the base layers' alone (``LoraLinear.forward`` adds nothing), so the fused step runs it
+with those.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kubeshard_shard.engine import kernels as kernel_build
 from kubeshard_shard.engine.attention import AttentionMetadata, KVCache
 from kubeshard_shard.models import quant
 from kubeshard_shard.models.layers import Embedding, Linear, LMHead, MergedLinear, RMSNorm, RotaryEmbedding
+from kubeshard_shard.models.lora import LoraLinear
 from kubeshard_shard.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                           LlamaModel)
 
@@ -39,8 +43,10 @@ class FusedStep:
     def __init__(self, kernel, embed: Embedding, max_rows: int) -> None:
         self.kernel, self.embed, self.max_rows = kernel, embed, max_rows
 
-    def serves(self, rows: int, num_decode: int, prefills: int) -> bool:
-        return 0 < rows == num_decode <= self.max_rows and not prefills
+    def serves(self, rows: int, num_decode: int, prefills: int, adapters: bool = False) -> bool:
+        """Whether the step runs here: ``rows`` decode rows (of ``num_decode``), ``prefills``
+        prefill chunks, and whether any row uses a LoRA adapter."""
+        return 0 < rows == num_decode <= self.max_rows and not prefills and not adapters
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output [rows, hidden], as ``LlamaForCausalLM.forward`` returns it."""
@@ -54,10 +60,15 @@ def _hooked(model: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def _add_gemm(fused, layer: Linear, built) -> tuple[int, int] | None:
-    """The layer's GEMM added to ``fused``: its index there, and the most rows our kernel
-    takes on it (above, the modules' GEMM goes to another path); None where the layer's
-    GEMM is not one of our kernels."""
+def _add_gemm(fused, layer: Linear | LoraLinear, built) -> tuple[int, int] | None:
+    """The layer's GEMM added to ``fused`` (a LoRA-wrapped layer's base: the fused step
+    serves no adapter rows): its index there, and the most rows our kernel takes on it
+    (above, the modules' GEMM goes to another path); None where the layer's GEMM is not
+    one of our kernels."""
+    if isinstance(layer, LoraLinear):
+        layer = layer.base
+    if type(layer) not in BASE_MODULES:
+        return None
     gemm, bias = layer.gemm, layer.bias
     if bias is not None and bias.dtype != torch.float32:
         return None
@@ -73,9 +84,10 @@ def _add_gemm(fused, layer: Linear, built) -> tuple[int, int] | None:
 
 def build(model: nn.Module, cache: KVCache, decode_kernel, lora) -> FusedStep | None:
     """The fused step for ``model`` over ``cache``, or None where the modules must serve."""
-    if lora is not None or type(model) is not LlamaForCausalLM or cache.device.type != "cpu":
+    if type(model) is not LlamaForCausalLM or cache.device.type != "cpu":
         return None
-    if any(type(m) not in BASE_MODULES for m in model.modules()) or _hooked(model):
+    allowed = BASE_MODULES if lora is None else BASE_MODULES + (LoraLinear,)
+    if any(type(m) not in allowed for m in model.modules()) or _hooked(model):
         return None
     built = model.model.norm.kernels
     if built is None or not hasattr(built, "FusedDecode") or decode_kernel is not built.paged_decode_scaled:

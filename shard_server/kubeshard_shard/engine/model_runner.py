@@ -194,7 +194,8 @@ class ModelRunner:
         meta = self.metadata(inputs)
         input_ids = inputs.input_ids.to(self.device, non_blocking=True)
         positions = inputs.positions.to(self.device, non_blocking=True)
-        if self.fused is not None and self.fused.serves(len(input_ids), meta.num_decode, len(meta.prefills)):
+        if self.fused is not None and self.fused.serves(len(input_ids), meta.num_decode, len(meta.prefills),
+                                                        adapters=inputs.lora_slots is not None):
             hidden = self.fused.run(input_ids, positions, meta)
         else:
             if self.lora is not None:
