@@ -45,7 +45,8 @@ def test_kernel_of_the_portable_builds_matches_reference(march):
 
 def check_against_reference(kernel, hq, hkv, d, block_size):
     gen = torch.Generator().manual_seed(hq * 1000 + d)
-    lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 197]
+    # 1300 tokens: a context the kernel cuts into parts (more than 512), whose results it combines
+    lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 197, 1300]
     k_cache, v_cache, block_tables, context_lens = scattered_pool(gen, lens, hkv, d, block_size, spare=7)
     q = torch.randn(len(lens), hq, d, generator=gen)
     scale = d ** -0.5
@@ -64,3 +65,24 @@ def test_unsupported_head_size_uses_the_fallback(kernel):
         q = torch.zeros(1, 2, 72)
         kernel(torch.empty_like(q), q, torch.zeros(16, 2, 72), torch.zeros(16, 2, 72),
                              torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 16, 1.0)
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_a_long_context_is_cut_into_parts_with_the_same_bits_in_any_batch(kernel, block_size):
+    """Contexts over 512 tokens are cut into parts that run as work items of their own
+    (batch 1 then keeps every thread busy) and combined: each sequence gets the
+    reference's attention, and the same bits alone as beside others (the cut depends on
+    its length only); 512 tokens and fewer stay one part."""
+    gen = torch.Generator().manual_seed(21)
+    lens = [512, 513, 4000, 40, 1031]
+    k_cache, v_cache, block_tables, context_lens = scattered_pool(gen, lens, 3, 64, block_size, spare=3)
+    q = torch.randn(len(lens), 9, 64, generator=gen) * 4  # peaked softmaxes: parts' maximums differ
+    out = torch.full_like(q, float("nan"))
+    kernel(out, q, k_cache, v_cache, block_tables, context_lens, block_size, 0.125)
+    want = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, max(lens), block_size, 0.125)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for i in range(len(lens)):
+        alone = torch.full_like(q[i:i + 1], float("nan"))
+        kernel(alone, q[i:i + 1].contiguous(), k_cache, v_cache, block_tables[i:i + 1].contiguous(),
+               context_lens[i:i + 1].contiguous(), block_size, 0.125)
+        assert torch.equal(alone, out[i:i + 1]), lens[i]

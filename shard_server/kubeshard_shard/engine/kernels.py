@@ -6,7 +6,9 @@ Why our own kernel: without it, decode attention gathers every sequence's contex
 a padded batch (a copy of the whole KV context per layer per step) and then runs a
 masked attention over it — on two cores that was 40% of a 64-sequence decode step.
 The kernel reads K and V straight from the cache blocks: one work item per (sequence,
-KV head), whose grouped query heads share each K/V row; a K row and the V accumulators
+KV head), whose grouped query heads share each K/V row (a context over 512 tokens is cut
+into parts, each its own item, whose results are combined: batch 1 keeps every thread
+busy); a K row and the V accumulators
 live in SIMD registers (the head size is a template constant), and the next block of
 the table is prefetched by hand, since blocks lie anywhere in the pool. Decode attention
 is bound by memory, and this runs at a good fraction of the machine's DRAM bandwidth.

@@ -76,7 +76,9 @@ static inline float hsumv(fvec v) {
 #endif
 }
 
-static void softmax_rows(float* s, int64_t rows, int64_t L) {
+// Each row of s [rows, L] made its softmax; its maximum and its sum of exponentials
+// (before the division) go to m[r] and sum[r].
+static void softmax_rows(float* s, int64_t rows, int64_t L, float* m_out, float* sum_out) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sg = s + r * L;
     float m = -std::numeric_limits<float>::infinity();
@@ -90,6 +92,8 @@ static void softmax_rows(float* s, int64_t rows, int64_t L) {
     const float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+    m_out[r] = m;
+    sum_out[r] = sum;
   }
 }
 
@@ -105,17 +109,21 @@ struct Args {
   int64_t q_row;  // values from one sequence's queries to the next's (Hq * D when contiguous)
 };
 
-// One (sequence, KV head) pair: the G query heads that share the head's K/V rows.
+// One (sequence, KV head) pair over the tokens lo..hi of its context (lo a multiple of the
+// block size): the G query heads that share the head's K/V rows, their attention over
+// those tokens alone written to out (G rows of D), each row's score maximum and sum of
+// exponentials to m and sum (what combine_splits needs when the context was split).
 // C = head_dim / kW is a compile-time constant so a K row and the V accumulators stay
 // in registers: K is read once for all G heads; V once per pair of heads, from L2 (once a
 // head where a pair's accumulators would not fit in the registers: AVX2 at head_dim 64).
 // An int8 row is read as integers and its scale applied once per row: to the score for
 // K, to the softmax weight for V.
-template <int C, typename Q, typename KV>
-static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<float>& scores, float* qs) {
+template <int C, typename Q, typename KV, typename O>
+static void decode_range(const Args<Q, KV>& a, int64_t b, int64_t h, int64_t lo, int64_t hi, O* out, float* m,
+                         float* sum, std::vector<float>& scores, float* qs) {
   constexpr int64_t D = kW * C;
   constexpr int kLine = 64 / (kW * sizeof(KV)) > 0 ? 64 / (kW * sizeof(KV)) : 1;  // kW-value chunks per cache line
-  const int64_t G = a.G, L = a.lens[b], bs = a.block_size;
+  const int64_t G = a.G, L = hi - lo, bs = a.block_size;
   const int32_t* table = a.tables + b * a.max_blocks;
   const Q* qh = a.q + b * a.q_row + h * G * D;
   for (int64_t g = 0; g < G; ++g)
@@ -125,14 +133,14 @@ static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<
   const int64_t head_off = h * D;
   const int64_t srow = a.Hkv;  // scales per slot
 
-  for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    const int64_t n = std::min<int64_t>(bs, L - t0);
+  for (int64_t t0 = lo; t0 < hi; t0 += bs) {
+    const int64_t n = std::min<int64_t>(bs, hi - t0);
     const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs;
     const KV* kb = a.k + slot0 * a.row + head_off;
     // The next block sits anywhere in the pool, where the hardware prefetcher cannot
     // guess it: ask for it while this one computes (after the last K block, the first V).
-    const KV* kn = t0 + bs < L ? a.k + static_cast<int64_t>(table[t0 / bs + 1]) * bs * a.row + head_off
-                               : a.v + static_cast<int64_t>(table[0]) * bs * a.row + head_off;
+    const KV* kn = t0 + bs < hi ? a.k + static_cast<int64_t>(table[t0 / bs + 1]) * bs * a.row + head_off
+                                : a.v + static_cast<int64_t>(table[lo / bs]) * bs * a.row + head_off;
     for (int64_t j = 0; j < n; ++j) {
       const KV* kt = kb + j * a.row;
       for (int c = 0; c < C; c += kLine)
@@ -148,13 +156,12 @@ static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<
           if (c & 1) acc1 += loadv(qg + kW * c) * k[c];
           else acc0 += loadv(qg + kW * c) * k[c];
         }
-        sc[g * L + t0 + j] = hsumv(acc0 + acc1) * ks;
+        sc[g * L + t0 - lo + j] = hsumv(acc0 + acc1) * ks;
       }
     }
   }
-  softmax_rows(sc, G, L);
+  softmax_rows(sc, G, L, m, sum);
 
-  Q* out = a.out + (b * a.Hq + h * G) * D;
   // 16 vector registers without AVX-512: a pair's 2 C accumulators fit only up to C = 6
   constexpr bool kPairs = kW == 16 || 2 * C <= 12;
   for (int64_t g = 0; g < G; g += kPairs ? 2 : 1) {
@@ -162,18 +169,18 @@ static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<
     const float* p0 = sc + g * L;
     const float* p1 = pair ? sc + (g + 1) * L : p0;
     fvec acc0[C] = {}, acc1[C] = {};
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
-      const int64_t n = std::min<int64_t>(bs, L - t0);
+    for (int64_t t0 = lo; t0 < hi; t0 += bs) {
+      const int64_t n = std::min<int64_t>(bs, hi - t0);
       const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs;
       const KV* vb = a.v + slot0 * a.row + head_off;
-      const KV* vn = t0 + bs < L ? a.v + static_cast<int64_t>(table[t0 / bs + 1]) * bs * a.row + head_off : nullptr;
+      const KV* vn = t0 + bs < hi ? a.v + static_cast<int64_t>(table[t0 / bs + 1]) * bs * a.row + head_off : nullptr;
       for (int64_t j = 0; j < n; ++j) {
         const KV* vt = vb + j * a.row;
         if (vn)
           for (int c = 0; c < C; c += kLine)
             __builtin_prefetch(vn + j * a.row + kW * c);
         const float vs = a.v_scale ? a.v_scale[(slot0 + j) * srow + h] : 1.f;
-        const float w0 = p0[t0 + j] * vs, w1 = p1[t0 + j] * vs;
+        const float w0 = p0[t0 - lo + j] * vs, w1 = p1[t0 - lo + j] * vs;
         for (int c = 0; c < C; ++c) {
           const fvec x = loadv(vt + kW * c);
           acc0[c] += w0 * x;
@@ -187,13 +194,98 @@ static void decode_head(const Args<Q, KV>& a, int64_t b, int64_t h, std::vector<
   }
 }
 
+// A context longer than this is cut into near-equal parts of whole blocks, each its own
+// work item, and the parts' results combined (split-K, "flash decoding"). Why: the work
+// items are (sequence, KV head) pairs, so at batch 1 a model with few KV heads had fewer
+// items than threads (the default model's 3 on 2 cores: one thread did two, the other one;
+// on 16 cores 13 idled), however long the context. The cut depends on the context length
+// alone, so a sequence's attention has the same bits whatever else is in the batch; a
+// context this short or shorter is computed as one part, as before.
+constexpr int64_t kSplitTokens = 512;
+
+// One work item: tokens lo..hi of sequence b's context under KV head h; part: its slot in
+// the parts' buffer, or -1 when it is the whole context (its result goes straight out).
+struct Item {
+  int64_t b, h, lo, hi, part;
+};
+
+// The parts of each split (sequence, KV head) into its output: part s of n, normalized
+// over its own tokens with maximum m_s and sum l_s, weighs l_s exp(m_s - M) over all
+// parts' total (M: the largest m_s), which is its share of the whole softmax.
+template <typename Q, typename KV>
+static void combine_splits(const Args<Q, KV>& a, const std::vector<Item>& items, const std::vector<int64_t>& firsts,
+                           const float* parts, int64_t D) {
+  const int64_t G = a.G, stride = G * (D + 2);
+  at::parallel_for(0, static_cast<int64_t>(firsts.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w, acc(D);
+    for (int64_t f = begin; f < end; ++f) {
+      const Item& first = items[firsts[f]];
+      int64_t n = 0;
+      while (firsts[f] + n < static_cast<int64_t>(items.size()) && items[firsts[f] + n].b == first.b &&
+             items[firsts[f] + n].h == first.h)
+        ++n;
+      w.resize(n);
+      Q* out = a.out + (first.b * a.Hq + first.h * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < n; ++s) M = std::max(M, parts[(first.part + s) * stride + G * D + g]);
+        float total = 0.f;
+        for (int64_t s = 0; s < n; ++s) {
+          const float* stats = parts + (first.part + s) * stride + G * D;
+          w[s] = stats[G + g] * ks::exp_f32(stats[g] - M);
+          total += w[s];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t s = 0; s < n; ++s) {
+          const float ws = w[s] / total;
+          const float* part = parts + (first.part + s) * stride + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += ws * part[d];
+        }
+        for (int64_t d = 0; d < D; d += kW) storev(out + g * D + d, loadv(acc.data() + d));
+      }
+    }
+  });
+}
+
 template <int C16, typename Q, typename KV>
 static void decode_all(const Args<Q, KV>& a, int64_t B) {
   constexpr int C = C16 * 16 / kW;
-  at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qs(a.G * kW * C);
-    for (int64_t i = begin; i < end; ++i) decode_head<C>(a, i / a.Hkv, i % a.Hkv, scores, qs.data());
+  constexpr int64_t D = kW * C;
+  const int64_t G = a.G, bs = a.block_size;
+  std::vector<Item> items;
+  std::vector<int64_t> firsts;  // the first item of each split (sequence, KV head)
+  items.reserve(B * a.Hkv);
+  int64_t parts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = a.lens[b], blocks = (L + bs - 1) / bs;
+    const int64_t n = std::max<int64_t>(1, std::min(blocks, (L + kSplitTokens - 1) / kSplitTokens));
+    const int64_t per = n > 1 ? (blocks + n - 1) / n * bs : L;  // tokens a part, whole blocks
+    for (int64_t h = 0; h < a.Hkv; ++h) {
+      if (n == 1) {
+        items.push_back({b, h, 0, L, -1});
+        continue;
+      }
+      firsts.push_back(static_cast<int64_t>(items.size()));
+      for (int64_t lo = 0; lo < L; lo += per) items.push_back({b, h, lo, std::min(L, lo + per), parts++});
+    }
+  }
+  // per part: G rows of D, then G maximums and G sums
+  std::vector<float> part_buf(parts * G * (D + 2));
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qs(G * D), stats(2 * G);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      if (it.part < 0) {
+        decode_range<C>(a, it.b, it.h, it.lo, it.hi, a.out + (it.b * a.Hq + it.h * G) * D, stats.data(),
+                        stats.data() + G, scores, qs.data());
+      } else {
+        float* part = part_buf.data() + it.part * G * (D + 2);
+        decode_range<C>(a, it.b, it.h, it.lo, it.hi, part, part + G * D, part + G * D + G, scores, qs.data());
+      }
+    }
   });
+  if (!firsts.empty()) combine_splits(a, items, firsts, part_buf.data(), D);
 }
 
 template <typename Q, typename KV>
