@@ -8,7 +8,11 @@
 (2) Multi-LoRA: 16 requests on the base model of an engine without LoRA, against 16
     requests spread over 4 rank-16 adapters (all seven projections) in one batch; time per
     decode step with all 16 running. Target: <= 1.3x. The LoRA engine serving only base
-    requests is shown too (the wrappers' own cost).
+    requests is shown too (the wrappers' own cost: its steps go through the fused decode
+    step, as the base engine's), and the same through the modules
+    (``lora_engine_base_modules``: the fused step off, as every LoRA engine served base
+    rows before it took them). ``--batch`` changes the 16 (``--cases lora`` alone: the
+    grammar case's schema is sized for 16).
 
 Each pair alternates over ``--rounds`` rounds after a warm-up; a round's figure is the
 median of its full-batch steps. The table gives the median round, the spread (min-max
@@ -18,7 +22,7 @@ it. ``--threads 1`` also records each step's CPU time of the engine thread, whic
 load of other processes barely moves. Models: the ``small`` demo model (~32M) and, when
 its conversion is cached, the default SmolLM2-135M-Instruct (``--models all``).
 
-    python -m bench.api_bench [--rounds 5] [--tokens 64] [--models all|demo] [--threads 2]
+    python -m bench.api_bench [--rounds 5] [--tokens 64] [--models all|demo] [--threads 2] [--batch 16]
 """
 
 from __future__ import annotations
@@ -141,18 +145,21 @@ def make_adapters(model_dir: Path, folder: Path, count: int, rank: int) -> list[
     return out
 
 
-def lora_case(model_dir: Path, rounds: int, n_tokens: int, threads: int, rank: int = 16) -> dict:
+def lora_case(model_dir: Path, rounds: int, n_tokens: int, threads: int, rank: int = 16, batch: int = BATCH) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(model_dir, Path(tmp), 4, rank)
         base_engine = engine(model_dir, threads)
         lora_engine = engine(model_dir, threads, lora_adapters=tuple(adapters))
+        modules_engine = engine(model_dir, threads, lora_adapters=tuple(adapters))
+    modules_engine.runner.fused = None  # every step through the modules
     vocab = base_engine.runner.model.config.vocab_size
-    ps = prompts(vocab, seed=1)
+    ps = prompts(vocab, n=batch, seed=1)
     base = [(p, make_sampling_params(max_new_tokens=n_tokens, ignore_eos=True)) for p in ps]
     mixed = [(p, make_sampling_params(max_new_tokens=n_tokens, ignore_eos=True, adapter=adapters[i % 4][0]))
              for i, p in enumerate(ps)]
     raw = _rounds({"base": (base_engine, base), "lora4": (lora_engine, mixed),
-                   "lora_engine_base": (lora_engine, base)}, rounds)
+                   "lora_engine_base": (lora_engine, base), "lora_engine_base_modules": (modules_engine, base)},
+                  rounds)
     return {"summary": _summary(raw, "base"), "rank": rank, "raw": raw}
 
 
@@ -175,7 +182,8 @@ def report(results: dict, args) -> str:
     m = results["machine"]
     lines = ["# Structured output and multi-LoRA cost", "",
              f"`{results['command']}` — {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
-             f"batch {BATCH}, float32 on CPU, {args.threads} thread(s), {args.tokens} new tokens per request, "
+             f"batch {results.get('batch', BATCH)}, float32 on CPU, {args.threads} thread(s), "
+             f"{args.tokens} new tokens per request, "
              f"{args.rounds} alternating rounds after a warm-up; load average {results['load_before']} before, "
              f"{results['load_after']} after. Every figure below comes from this one run.", "",
              "Step times in ms: median round (min-max over rounds); ratios are of the medians (and of the "
@@ -184,7 +192,8 @@ def report(results: dict, args) -> str:
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for name, r in results["models"].items():
         for case, base, target, rows in (("grammar", "free", "≤ 1.10", ("constrained",)),
-                                         ("lora", "base", "≤ 1.3", ("lora4", "lora_engine_base"))):
+                                         ("lora", "base", "≤ 1.3",
+                                          ("lora4", "lora_engine_base", "lora_engine_base_modules"))):
             if r.get(case) is None:
                 continue
             s = r[case]["summary"]
@@ -200,9 +209,11 @@ def report(results: dict, args) -> str:
               "ranges, nested arrays), so every constrained request runs all its tokens, as the free ones do "
               "with ignore_eos; the schema is compiled once before timing (the cache), so the figures are the "
               "per-step mask work (xgrammar, `engine/grammar.py`) and its one batched application. Adapters "
-              "are rank 16 on q, k, v, o, gate, up and down (PEFT, random weights), four in one batch of 16 "
-              "(four rows each): stacked per layer with a per-step row mask (`models/lora.py`); the base "
-              "engine has no LoRA wrappers at all; `lora_engine_base` is the LoRA engine serving base rows.", ""]
+              f"are rank 16 on q, k, v, o, gate, up and down (PEFT, random weights), four in one batch of "
+              f"{results.get('batch', BATCH)} (a quarter of the rows each): stacked per layer with a per-step row "
+              "mask (`models/lora.py`); the base engine has no LoRA wrappers at all; `lora_engine_base` is the LoRA "
+              "engine serving base rows (through the fused decode step), `lora_engine_base_modules` the same with "
+              "that step off (through the modules).", ""]
     return "\n".join(lines)
 
 
@@ -215,12 +226,15 @@ def main() -> None:
                         help="demo: the small demo model only")
     parser.add_argument("--cases", default="grammar,lora", help="grammar, lora or both (comma-separated)")
     parser.add_argument("--out", default="api", help="result files: bench/results/OUT.md and .json")
+    parser.add_argument("--batch", type=int, default=BATCH, help="requests decoding at once (the lora case)")
     args = parser.parse_args()
-    if args.rounds < 1 or args.tokens < 4:
-        raise SystemExit("--rounds must be >= 1 and --tokens >= 4")
+    if args.rounds < 1 or args.tokens < 4 or args.batch < 1:
+        raise SystemExit("--rounds must be >= 1, --tokens >= 4 and --batch >= 1")
+    if args.batch != BATCH and "grammar" in args.cases.split(","):
+        raise SystemExit(f"--batch applies to --cases lora only (the grammar case runs {BATCH})")
     torch.set_num_threads(args.threads)
     results = {"machine": machine(), "command": " ".join(["python -m bench.api_bench"] + sys.argv[1:]),
-               "batch": BATCH, "threads": args.threads, "load_before": [round(x, 2) for x in os.getloadavg()],
+               "batch": args.batch, "threads": args.threads, "load_before": [round(x, 2) for x in os.getloadavg()],
                "models": {}}
     chosen = models()
     if args.models == "demo":
@@ -233,7 +247,7 @@ def main() -> None:
             s = g["summary"]
             print(f"grammar: free {_cell(s['free'], 'wall')} ms/step, constrained {_cell(s['constrained'], 'wall')} "
                   f"({s['constrained']['wall']['ratio']:.3f}x)", flush=True)
-        lo = lora_case(path, args.rounds, args.tokens, args.threads) if "lora" in cases else None
+        lo = lora_case(path, args.rounds, args.tokens, args.threads, batch=args.batch) if "lora" in cases else None
         if lo:
             s = lo["summary"]
             print(f"lora: base {_cell(s['base'], 'wall')} ms/step, 4 adapters {_cell(s['lora4'], 'wall')} "
