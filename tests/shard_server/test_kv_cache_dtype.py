@@ -27,14 +27,14 @@ def k(cpu_kernels):
     return cpu_kernels
 
 
-def _paged(hkv=2, d=64, block_size=16, lens=(1, 17, 40), seed=0):
+def _paged(hkv=2, d=64, block_size=16, lens=(1, 17, 40, 1300), seed=0):  # 1300: cut into parts by the kernel
     return scattered_pool(torch.Generator().manual_seed(seed), lens, hkv, d, block_size, spare=3)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.int8])
 def test_decode_kernel_reads_half_and_int8_pools(k, cache_dtype):
     k32, v32, tables, lens = _paged()
-    q = torch.randn(3, 8, 64)
+    q = torch.randn(4, 8, 64)
     if cache_dtype == torch.int8:
         kq, ks = quantize_rows(k32)
         vq, vs = quantize_rows(v32)
@@ -51,7 +51,7 @@ def test_decode_kernel_reads_half_and_int8_pools(k, cache_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_kernel_serves_half_precision_models(k, dtype):
     k32, v32, tables, lens = _paged(seed=1)
-    q = torch.randn(3, 8, 64).to(dtype)
+    q = torch.randn(4, 8, 64).to(dtype)
     kc, vc = k32.to(dtype), v32.to(dtype)
     want = decode_attention_reference(q.float(), kc.float(), vc.float(), tables, lens, int(lens.max()), 16, 0.125)
     out = torch.empty_like(q)
