@@ -209,36 +209,38 @@ struct Item {
   int64_t b, h, lo, hi, part;
 };
 
-// The parts of each split (sequence, KV head) into its output: part s of n, normalized
-// over its own tokens with maximum m_s and sum l_s, weighs l_s exp(m_s - M) over all
-// parts' total (M: the largest m_s), which is its share of the whole softmax.
+// A (sequence, KV head) whose context was cut: its n parts are slots part .. part + n - 1.
+struct Split {
+  int64_t b, h, part, n;
+};
+
+// Each split (sequence, KV head)'s parts into its output. A part's slot in ``parts``
+// holds G rows of D, then G maximums and G sums; part s, normalized over its own tokens
+// with maximum m_s and sum l_s, weighs l_s exp(m_s - M) over all parts' total (M: the
+// largest m_s), which is its share of the whole softmax.
 template <typename Q, typename KV>
-static void combine_splits(const Args<Q, KV>& a, const std::vector<Item>& items, const std::vector<int64_t>& firsts,
-                           const float* parts, int64_t D) {
+static void combine_splits(const Args<Q, KV>& a, const std::vector<Split>& splits, const float* parts, int64_t D) {
   const int64_t G = a.G, stride = G * (D + 2);
-  at::parallel_for(0, static_cast<int64_t>(firsts.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w, acc(D);
     for (int64_t f = begin; f < end; ++f) {
-      const Item& first = items[firsts[f]];
-      int64_t n = 0;
-      while (firsts[f] + n < static_cast<int64_t>(items.size()) && items[firsts[f] + n].b == first.b &&
-             items[firsts[f] + n].h == first.h)
-        ++n;
-      w.resize(n);
-      Q* out = a.out + (first.b * a.Hq + first.h * G) * D;
+      const Split& sp = splits[f];
+      const float* first = parts + sp.part * stride;
+      w.resize(sp.n);
+      Q* out = a.out + (sp.b * a.Hq + sp.h * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         float M = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < n; ++s) M = std::max(M, parts[(first.part + s) * stride + G * D + g]);
+        for (int64_t s = 0; s < sp.n; ++s) M = std::max(M, first[s * stride + G * D + g]);
         float total = 0.f;
-        for (int64_t s = 0; s < n; ++s) {
-          const float* stats = parts + (first.part + s) * stride + G * D;
+        for (int64_t s = 0; s < sp.n; ++s) {
+          const float* stats = first + s * stride + G * D;
           w[s] = stats[G + g] * ks::exp_f32(stats[g] - M);
           total += w[s];
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t s = 0; s < n; ++s) {
+        for (int64_t s = 0; s < sp.n; ++s) {
           const float ws = w[s] / total;
-          const float* part = parts + (first.part + s) * stride + g * D;
+          const float* part = first + s * stride + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) acc[d] += ws * part[d];
         }
@@ -254,7 +256,7 @@ static void decode_all(const Args<Q, KV>& a, int64_t B) {
   constexpr int64_t D = kW * C;
   const int64_t G = a.G, bs = a.block_size;
   std::vector<Item> items;
-  std::vector<int64_t> firsts;  // the first item of each split (sequence, KV head)
+  std::vector<Split> splits;
   items.reserve(B * a.Hkv);
   int64_t parts = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -266,11 +268,12 @@ static void decode_all(const Args<Q, KV>& a, int64_t B) {
         items.push_back({b, h, 0, L, -1});
         continue;
       }
-      firsts.push_back(static_cast<int64_t>(items.size()));
+      const int64_t first = parts;
       for (int64_t lo = 0; lo < L; lo += per) items.push_back({b, h, lo, std::min(L, lo + per), parts++});
+      splits.push_back({b, h, first, parts - first});
     }
   }
-  // per part: G rows of D, then G maximums and G sums
+  // per part: G rows of D, then G maximums and G sums (combine_splits reads them)
   std::vector<float> part_buf(parts * G * (D + 2));
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qs(G * D), stats(2 * G);
@@ -285,7 +288,7 @@ static void decode_all(const Args<Q, KV>& a, int64_t B) {
       }
     }
   });
-  if (!firsts.empty()) combine_splits(a, items, firsts, part_buf.data(), D);
+  if (!splits.empty()) combine_splits(a, splits, part_buf.data(), D);
 }
 
 template <typename Q, typename KV>
