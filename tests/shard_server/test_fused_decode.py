@@ -42,7 +42,8 @@ class Twin:
         rows = len(inputs.input_ids)
         if fused is None or not fused.serves(rows, inputs.num_decode, len(inputs.prefill_chunks),
                                              adapters=inputs.lora_slots is not None):
-            self.adapter_steps += inputs.lora_slots is not None
+            # decode-only steps with adapter rows that the fused step left to the modules
+            self.adapter_steps += inputs.lora_slots is not None and not inputs.prefill_chunks
             return self.run(inputs)
         before = self.pool()
         self.runner.fused = None
@@ -116,7 +117,7 @@ def test_a_wrong_position_is_seen(demo_model):
     served = build_engine(demo_model("llama"))
     runner = served.engine.runner
     fused, real = runner.fused, runner.fused.run
-    runner.fused.run = lambda ids, positions, meta: real(ids, positions + 1, meta)
+    runner.fused.run = lambda ids, positions, meta, lora_slots: real(ids, positions + 1, meta, lora_slots)
     twin = Twin(runner)
     run_to_completion(served.engine, [([5, 6, 7, 8], greedy(4))])
     assert fused is runner.fused and twin.compared and len(twin.mismatches) == twin.compared
@@ -134,36 +135,48 @@ def test_the_step_takes_as_many_rows_as_every_gemm_does_on_our_kernels(demo_mode
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
-def test_with_lora_on_steps_without_adapter_rows_go_through_the_fused_step(demo_model, tmp_path, quantize):
-    """A LoRA engine's steps whose rows all decode for the base model are the base
-    layers' alone: the fused step serves them, bit for bit the modules' (LoraLinear's);
-    a step with any adapter row goes through the modules, and each request's tokens are
-    those of an engine serving it alone (the base ones a LoRA-less engine's)."""
+def test_with_lora_on_every_decode_step_goes_through_the_fused_step(demo_model, tmp_path, quantize):
+    """A LoRA engine's decode steps run fused whatever adapters their rows use (none, one,
+    several side by side, and after an adapter is loaded and another unloaded between
+    steps), bit for bit the modules' (LoraLinear's, which call the same kernel); and each
+    request's tokens are those of an engine serving it alone (the base ones a LoRA-less
+    engine's)."""
+    from kubeshard_shard.models.lora import load_adapter
     from tests.support.lora import ALL, make_adapter
 
     model_dir = demo_model("llama")
-    adapter = make_adapter(model_dir, tmp_path / "a", seed=1, r=8, targets=ALL, alpha=16)
-    served = build_engine(model_dir, quantize=quantize, lora_adapters=(("a", adapter),))
-    assert served.engine.runner.fused is not None
-    twin = Twin(served.engine.runner)
-    prompts = random_prompts(4, served.model_config.vocab_size, (5, 20), seed=11)
-    base_only = run_to_completion(served.engine, [(p, greedy(10)) for p in prompts[:2]])
-    assert twin.compared >= 9 and not twin.adapter_steps, (twin.compared, twin.adapter_steps)
-    # base and adapter requests side by side: the steps with the adapter's rows go through the
-    # modules; once it has finished (it asks fewer tokens), the base rows' steps are fused again
-    plan = [(prompts[2], greedy(16)), (prompts[3], greedy(6, adapter="a"))]
-    compared = twin.compared
+    a = make_adapter(model_dir, tmp_path / "a", seed=1, r=8, targets=ALL, alpha=16)
+    b = make_adapter(model_dir, tmp_path / "b", seed=2, r=4, targets=["q_proj", "v_proj", "down_proj"], alpha=8)
+    served = build_engine(model_dir, quantize=quantize, lora_adapters=(("a", a), ("b", b)), max_loras=3)
+    runner = served.engine.runner
+    assert runner.fused is not None and runner.fused.lora is runner.lora
+    twin = Twin(runner)
+    prompts = random_prompts(6, served.model_config.vocab_size, (5, 20), seed=11)
+    plan = [(prompts[0], greedy(10)), (prompts[1], greedy(12, adapter="a")), (prompts[2], greedy(8, adapter="b")),
+            (prompts[3], greedy(9, adapter="a")), (prompts[4], greedy(11))]
     mixed = run_to_completion(served.engine, plan)
-    assert twin.adapter_steps >= 5 and twin.compared - compared >= 9, (twin.adapter_steps, twin.compared)
+    assert twin.compared >= 9 and max(twin.rows) > 2 and not twin.adapter_steps, (twin.compared, twin.adapter_steps)
     assert not twin.mismatches, twin.mismatches
-    plain = build_engine(model_dir, quantize=quantize)
-    want = run_to_completion(plain.engine, [(p, greedy(10)) for p in prompts[:2]] + [plan[0], (prompts[3], greedy(6))])
-    want = [[o.token_id for o in out] for out in want]
-    tokens = [[o.token_id for o in out] for out in base_only + mixed]
-    assert tokens[:3] == want[:3]
-    alone = run_to_completion(build_engine(model_dir, quantize=quantize, lora_adapters=(("a", adapter),)).engine,
-                              [plan[1]])
-    assert tokens[3] == [o.token_id for o in alone[0]] and tokens[3] != want[3]  # the adapter's own tokens
+    # the registry swaps its packs on a load and an unload; the next step's kernel holds the new ones
+    lora = runner.lora
+    lora.add(load_adapter("c", b, runner.model, torch.float32, torch.device("cpu"), 64))
+    lora.remove("a")
+    compared = twin.compared
+    swapped = run_to_completion(served.engine, [(prompts[5], greedy(8, adapter="c")), (prompts[2], greedy(8))])
+    assert twin.compared - compared >= 7 and not twin.mismatches, (twin.compared, twin.mismatches)
+    assert runner.fused._packs is lora.packs
+    tokens = [[o.token_id for o in out] for out in mixed + swapped]
+
+    def alone(adapter, request):
+        adapters = () if adapter is None else ((adapter, {"a": a, "b": b, "c": b}[adapter]),)
+        engine = build_engine(model_dir, quantize=quantize, lora_adapters=adapters).engine
+        return [o.token_id for o in run_to_completion(engine, [request])[0]]
+
+    want = [alone(None, plan[0]), alone("a", plan[1]), alone("b", plan[2]), alone("a", plan[3]), alone(None, plan[4]),
+            alone("c", (prompts[5], greedy(8, adapter="c"))), alone(None, (prompts[2], greedy(8)))]
+    assert tokens == want
+    assert tokens[5] == alone("b", (prompts[5], greedy(8, adapter="b")))  # c holds b's weights
+    assert alone(None, (prompts[1], greedy(12))) != tokens[1]  # the adapter changes the tokens
 
 
 @pytest.mark.parametrize("overrides", [{"cpu_gemm": "torch"}, {"cpu_kernels": False}],
@@ -245,3 +258,22 @@ def test_the_kernel_checks_its_parts_when_built_and_its_inputs_each_step():
     with pytest.raises(RuntimeError, match="hidden has 32 columns, the model 64"):
         fused.run(torch.randn(1, 32), torch.tensor([1]), torch.tensor([1]), torch.zeros(1, 2, dtype=torch.int32),
                   torch.tensor([2], dtype=torch.int32))
+    # LoRA: a pack must fit its GEMM; a step's runs must lie within its rows
+    with pytest.raises(RuntimeError, match="set_lora: the adapters' A has 32 inputs, the layer 64"):
+        fused.set_lora(qkv, built.LoraPack(torch.randn(1, 4, 32), [torch.randn(1, 4, 8)], [0], [1]))
+    with pytest.raises(RuntimeError, match="set_lora: no GEMM 9"):
+        fused.set_lora(9, built.LoraPack(torch.randn(1, 4, H), [torch.randn(1, 4, H)], [0], [1]))
+    fused.set_lora(o, built.LoraPack(torch.randn(1, 4, heads * D), [torch.randn(1, 4, H)], [0], [1]))
+    with pytest.raises(RuntimeError, match=r"run 0 \(slot 1, rows 0..2\) must name a slot from 1 and rows in order "
+                                           "within the 1 rows"):
+        fused.run(torch.randn(1, H), torch.tensor([1]), torch.tensor([1]), torch.zeros(1, 2, dtype=torch.int32),
+                  torch.tensor([2], dtype=torch.int32), torch.tensor([[1, 0, 2]]))
+    base = fused.run(torch.ones(1, H), torch.tensor([1]), torch.tensor([1]), torch.zeros(1, 2, dtype=torch.int32),
+                     torch.tensor([2], dtype=torch.int32))
+    adapted = fused.run(torch.ones(1, H), torch.tensor([1]), torch.tensor([1]), torch.zeros(1, 2, dtype=torch.int32),
+                        torch.tensor([2], dtype=torch.int32), torch.tensor([[1, 0, 1]]))
+    assert not torch.equal(base, adapted), "the adapter's delta changed the o projection's output"
+    fused.clear_lora()
+    assert torch.equal(base, fused.run(torch.ones(1, H), torch.tensor([1]), torch.tensor([1]),
+                                       torch.zeros(1, 2, dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+                                       torch.tensor([[1, 0, 1]])))

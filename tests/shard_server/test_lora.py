@@ -96,18 +96,26 @@ def peft_delta(adapter: str, layer: int, modules: list[str], x: torch.Tensor, si
     return torch.cat(parts, 1)
 
 
-def test_stacked_buffers_give_each_row_its_adapter_on_a_quantized_base(adapters):
-    """The masked path (rows of several adapters in any order, a loaded adapter between
-    them that no row uses, an unloaded slot), the single-adapter slice path and the
-    base-only path, on int8 base layers: each row gets exactly its adapter's delta."""
+@pytest.mark.parametrize("through", ["kernel", "torch"])
+def test_stacked_buffers_give_each_row_its_adapter_on_a_quantized_base(adapters, through):
+    """Rows of several adapters in any order, a loaded adapter between them that no row
+    uses, an unloaded slot, one adapter's one run and its two runs, and base rows, on int8
+    base layers: each row gets exactly its adapter's delta, through the CPU kernel
+    (lora.cpp) and through the torch path other devices and dtypes take (the masked
+    window, the single-adapter slice)."""
     model_dir, paths = adapters
     served = build_engine(model_dir, quantize="int8", enable_lora=True, max_loras=4)
     lora, model = served.engine.runner.lora, served.engine.runner.model
+    if through == "torch":
+        lora.native = None  # the packs get no kernel form
+    else:
+        assert lora.native is not None, "the CPU kernels did not build here"
     for name, path in (("a", paths["a"]), ("gone", paths["b"]), ("b", paths["b"]), ("c", paths["a"])):
         lora.add(load_adapter(name, path, model, torch.float32, torch.device("cpu"), 64))
     lora.remove("gone")  # slot 2 empty: a=1, b=3, c=4 (the same weights as a)
     assert (lora.slot_of, sorted(lora.packs["layers.1.self_attn.qkv_proj"].present)) == ({"a": 1, "b": 3, "c": 4},
                                                                                           [1, 3, 4])
+    assert all((pack.native is None) == (through == "torch") for pack in lora.packs.values())
     layers = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"], "self_attn.o_proj": ["o_proj"],
               "mlp.gate_up_proj": ["gate_proj", "up_proj"], "mlp.down_proj": ["down_proj"]}
     source = {1: paths["a"], 3: paths["b"], 4: paths["a"]}
@@ -135,6 +143,79 @@ def test_stacked_buffers_give_each_row_its_adapter_on_a_quantized_base(adapters)
             moved_rows += int(((got - base).abs().amax(1) > 1e-3).sum())
         assert moved_rows >= 6, attr  # the deltas are there (b adapts q, v and down only)
     lora.begin_step(None)
+
+
+@pytest.mark.parametrize("march", [None, "x86-64-v3", "x86-64"])
+def test_the_kernel_gives_each_row_its_adapters_delta_in_every_build(march):
+    """lora_add_ (lora.cpp) against x Aᵀ Bᵀ in float64, in this CPU's build and the
+    portable ones (AVX2 and scalar code): runs of several slots and of a slot the pack
+    lacks, base rows between them, widths that are not multiples of the vector width."""
+    from kubeshard_shard.engine import kernels
+    from kubeshard_shard.hardware import CpuFeatures
+
+    if march is not None:
+        lacks = dict(kernels.LEVELS)[march] - CpuFeatures.detect().flags
+        if lacks:
+            pytest.skip(f"this CPU cannot run a {march} build (it lacks {', '.join(sorted(lacks))})")
+    built = kernels.module() if march is None else kernels.module(march=march)
+    assert built is not None, f"the CPU kernels failed to build ({march or 'native'})"
+    g = torch.Generator().manual_seed(3)
+    for K, sizes, R in [(37, [70], 5), (64, [48, 16, 16], 8), (130, [141, 141], 16)]:
+        S, n_sub = 4, len(sizes)
+        a = torch.randn(S, n_sub * R, K, generator=g)
+        bt = [torch.randn(S, R, size, generator=g) for size in sizes]
+        offsets = [sum(sizes[:i]) for i in range(n_sub)]
+        pack = built.LoraPack(a, bt, offsets, [1, 2, 4])  # slot 3 holds no adapter for this layer
+        slots = [0, 2, 2, 1, 0, 3, 4, 4, 4, 2, 0]
+        runs = [(s, i, i + 1) for i, s in enumerate(slots) if s]
+        merged = [runs[0]]
+        for run in runs[1:]:
+            if run[0] == merged[-1][0] and run[1] == merged[-1][2]:
+                merged[-1] = (run[0], merged[-1][1], run[2])
+            else:
+                merged.append(run)
+        x = torch.randn(len(slots), K, generator=g)
+        y0 = torch.randn(len(slots), sum(sizes), generator=g)
+        y = y0.clone()
+        built.lora_add_(y, x, torch.tensor(merged), pack)
+        want = y0.double()
+        for t, s in enumerate(slots):
+            if s in (1, 2, 4):
+                xa = x[t].double() @ a[s - 1].double().t()
+                for i in range(n_sub):
+                    want[t, offsets[i]:offsets[i] + sizes[i]] += xa[i * R:(i + 1) * R] @ bt[i][s - 1].double()
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4, msg=f"K {K}, sizes {sizes}, rank {R}")
+        assert torch.equal(y[[0, 4, 5, 10]], y0[[0, 4, 5, 10]]), "base rows and slot 3's row are left as they were"
+
+
+def test_the_kernel_names_what_is_wrong_with_its_arguments():
+    """lora_add_ and LoraPack check what they are given (they run on raw pointers)."""
+    from kubeshard_shard.engine import kernels
+
+    built = kernels.module()
+    if built is None:
+        pytest.fail("the CPU kernels did not build here")
+    a, bt = torch.randn(2, 2 * 4, 16), [torch.randn(2, 4, 8), torch.randn(2, 4, 6)]
+    pack = built.LoraPack(a, bt, [0, 8], [1, 2])
+    x, y = torch.randn(3, 16), torch.zeros(3, 14)
+    built.lora_add_(y, x, torch.tensor([[2, 1, 3]]), pack)
+    want = torch.zeros(3, 14)
+    xa = x[1:] @ a[1].t()
+    want[1:, :8], want[1:, 8:] = xa[:, :4] @ bt[0][1], xa[:, 4:] @ bt[1][1]
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    for runs, match in [(torch.tensor([[1, 2, 4]]), "within the 3 rows"), (torch.tensor([[1, 1, 2], [2, 0, 1]]),
+                                                                             "in order"),
+                        (torch.tensor([[1, 0]]), r"\[n, 3\]"), (torch.tensor([[0, 0, 1]]), "slot 0")]:
+        with pytest.raises(RuntimeError, match=match):
+            built.lora_add_(y, x, runs, pack)
+    with pytest.raises(RuntimeError, match="A has 16 inputs, the layer 12"):
+        built.lora_add_(y, torch.randn(3, 12), torch.tensor([[1, 0, 1]]), pack)
+    with pytest.raises(RuntimeError, match=r"sub-projection 1 \(columns 8..14\) is outside the layer's 12"):
+        built.lora_add_(torch.zeros(3, 12), x, torch.tensor([[1, 0, 1]]), pack)
+    with pytest.raises(RuntimeError, match="slot 3 is outside 1..2"):
+        built.LoraPack(a, bt, [0, 8], [3])
+    with pytest.raises(RuntimeError, match="each Bᵀ must be contiguous float32"):
+        built.LoraPack(a, [bt[0], torch.randn(2, 5, 6)], [0, 8], [1])
 
 
 def test_runtime_loads_need_a_root_and_stay_under_it(tmp_path):

@@ -11,11 +11,13 @@ its logits and the K/V it writes are the modules' bit for bit.
 (RMSNorm, rotary, SwiGLU) and every GEMM on our kernels (float32 through
 ``SmallBatchGemm``, int8/int4 through ``QuantGemm``), and a pool the decode kernel reads.
 A step qualifies when every row decodes one sequence (plain decodes and speculative
-verification rows), no row uses a LoRA adapter, and there are no more rows than every
-GEMM takes on our kernels; anything else runs through the modules. With LoRA on, the
-projections are ``LoraLinear``s around the base layers; a step without adapter rows is
-the base layers' alone (``LoraLinear.forward`` adds nothing), so the fused step runs it
-with those.
+verification rows) and there are no more rows than every GEMM takes on our kernels;
+anything else runs through the modules. With LoRA on, the projections are
+``LoraLinear``s around the base layers: the fused step runs each base layer's GEMM, then
+adds the adapters' deltas of the step's runs of rows with the kernel
+``LoraLinear.forward`` calls (``csrc/lora.cpp``), so adapter rows stay bit for bit too.
+The kernel holds the registry's stacked buffers (``LayerPack.native``), taken again when
+the registry swaps them (an adapter loaded or unloaded).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kubeshard_shard.engine import kernels as kernel_build
 from kubeshard_shard.engine.attention import AttentionMetadata, KVCache
 from kubeshard_shard.models import quant
 from kubeshard_shard.models.layers import Embedding, Linear, LMHead, MergedLinear, RMSNorm, RotaryEmbedding
-from kubeshard_shard.models.lora import LoraLinear
+from kubeshard_shard.models.lora import AdapterRegistry, LayerPack, LoraLinear, slot_runs
 from kubeshard_shard.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                           LlamaModel)
 
@@ -40,18 +42,41 @@ BASE_MODULES = (LlamaForCausalLM, LlamaModel, nn.ModuleList, Embedding, LMHead, 
 
 
 class FusedStep:
-    def __init__(self, kernel, embed: Embedding, max_rows: int) -> None:
+    def __init__(self, kernel, embed: Embedding, max_rows: int, lora: AdapterRegistry | None = None,
+                 lora_gemms: tuple[tuple[int, str], ...] = ()) -> None:
         self.kernel, self.embed, self.max_rows = kernel, embed, max_rows
+        self.lora, self.lora_gemms = lora, lora_gemms  # the registry; (GEMM index, its LoraLinear's key)
+        self._packs = None  # the registry's packs the kernel holds
 
     def serves(self, rows: int, num_decode: int, prefills: int, adapters: bool = False) -> bool:
         """Whether the step runs here: ``rows`` decode rows (of ``num_decode``), ``prefills``
         prefill chunks, and whether any row uses a LoRA adapter."""
-        return 0 < rows == num_decode <= self.max_rows and not prefills and not adapters
+        return 0 < rows == num_decode <= self.max_rows and not prefills and (not adapters or self.lora is not None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The final norm's output [rows, hidden], as ``LlamaForCausalLM.forward`` returns it."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            lora_slots: list[int] | None = None) -> torch.Tensor:
+        """The final norm's output [rows, hidden], as ``LlamaForCausalLM.forward`` returns it;
+        ``lora_slots``: each row's adapter slot (0: the base model)."""
+        runs = None
+        if lora_slots:
+            ordered = slot_runs(lora_slots)
+            if ordered:
+                self._hold(self.lora.packs)
+                runs = torch.tensor(ordered, dtype=torch.long)
         return self.kernel.run(self.embed(input_ids), positions, meta.slot_mapping, meta.block_tables,
-                               meta.context_lens)
+                               meta.context_lens, runs)
+
+    def _hold(self, packs: dict[str, LayerPack]) -> None:
+        """The kernel takes the registry's packs, when they changed since it last did (an
+        adapter loaded or unloaded: the registry swaps them whole)."""
+        if packs is self._packs:
+            return
+        self.kernel.clear_lora()
+        for gemm, key in self.lora_gemms:
+            pack = packs.get(key)
+            if pack is not None:
+                self.kernel.set_lora(gemm, pack.native)
+        self._packs = packs
 
 
 def _hooked(model: nn.Module) -> bool:
@@ -61,8 +86,8 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def _add_gemm(fused, layer: Linear | LoraLinear, built) -> tuple[int, int] | None:
-    """The layer's GEMM added to ``fused`` (a LoRA-wrapped layer's base: the fused step
-    serves no adapter rows): its index there, and the most rows our kernel takes on it
+    """The layer's GEMM added to ``fused`` (a LoRA-wrapped layer's base: the step adds the
+    adapters' deltas after it): its index there, and the most rows our kernel takes on it
     (above, the modules' GEMM goes to another path); None where the layer's GEMM is not
     one of our kernels."""
     if isinstance(layer, LoraLinear):
@@ -104,18 +129,21 @@ def build(model: nn.Module, cache: KVCache, decode_kernel, lora) -> FusedStep | 
         return None
     fused = built.FusedDecode(model.rotary.cos_sin, model.model.norm.weight, model.model.norm.eps, attn.num_heads,
                               attn.num_kv_heads, attn.head_dim, cache.block_size, attn.scale)
-    row_limits = []
+    if lora is not None and (lora.native is None or model.model.embed_tokens.weight.dtype != torch.float32):
+        lora = None  # adapters' deltas only through the modules (the packs have no kernel form)
+    row_limits, lora_gemms = [], []
     for i, layer in enumerate(layers):
         a = layer.self_attn
         if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                                                   attn.scale) or a.layer_idx != i:
             return None
-        gemms = [_add_gemm(fused, lin, built) for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj,
-                                                          layer.mlp.down_proj)]
+        linears = (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        gemms = [_add_gemm(fused, lin, built) for lin in linears]
         if any(g is None for g in gemms):
             return None
+        lora_gemms += [(index, lin.key) for (index, _), lin in zip(gemms, linears) if isinstance(lin, LoraLinear)]
         row_limits += [rows for _, rows in gemms]
         fused.add_layer(layer.input_layernorm.weight, layer.input_layernorm.eps, layer.post_attention_layernorm.weight,
                         layer.post_attention_layernorm.eps, *[index for index, _ in gemms], cache.k[i], cache.v[i],
                         cache.k_scale[i], cache.v_scale[i])
-    return FusedStep(fused, model.model.embed_tokens, min(row_limits))
+    return FusedStep(fused, model.model.embed_tokens, min(row_limits), lora, tuple(lora_gemms))

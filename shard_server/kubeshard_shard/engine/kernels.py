@@ -52,9 +52,9 @@ from kubeshard_shard.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "gemm.cpp", "packed_gemm.cpp", "fused.cpp", "fused_decode.cpp", "logits.cpp",
-           "bindings.cpp")
-HEADERS = ("simd.h", "kernels.h", "fused_decode.h")
+SOURCES = ("paged_decode.cpp", "gemm.cpp", "packed_gemm.cpp", "fused.cpp", "fused_decode.cpp", "lora.cpp",
+           "logits.cpp", "bindings.cpp")
+HEADERS = ("simd.h", "kernels.h", "fused_decode.h", "lora.h")
 
 
 PREBUILT_ENV = "KUBESHARD_PREBUILT_KERNELS"

@@ -196,7 +196,7 @@ class ModelRunner:
         positions = inputs.positions.to(self.device, non_blocking=True)
         if self.fused is not None and self.fused.serves(len(input_ids), meta.num_decode, len(meta.prefills),
                                                         adapters=inputs.lora_slots is not None):
-            hidden = self.fused.run(input_ids, positions, meta)
+            hidden = self.fused.run(input_ids, positions, meta, inputs.lora_slots)
         else:
             if self.lora is not None:
                 self.lora.begin_step(inputs.lora_slots)

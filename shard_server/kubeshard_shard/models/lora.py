@@ -13,9 +13,16 @@ whole (the step in flight keeps the buffers it started with):
 - ``bt`` one [S, R, size_i] per sub-projection i: slot s's lora_Bᵀ with the scale in it;
 
 R is the largest rank loaded (smaller ranks are zero-padded), S the highest slot in use.
-Per step, ``begin_step`` takes each token's slot and builds one 0/1 mask [T, k] over the
-window of used slots lo..hi (k = hi - lo + 1; base rows are all zero). Every wrapped
-layer then costs a fixed number of ops whatever the number of adapters in the batch:
+Per step the runner puts the decode rows of one adapter side by side, and ``begin_step``
+reads each token's slot into runs of rows (slot, first, end). On the CPU, in float32, a
+wrapped layer's deltas are one call to the kernel of ``engine/csrc/lora.cpp``
+(``LayerPack.native``): per run, x·A_sᵀ, then each sub-projection's columns of that
+times B_sᵀ added to the base output. The fused decode step calls the same kernel after
+each base GEMM, so a step's adapter rows have the same bits either way.
+
+Elsewhere (other devices and dtypes) the torch path builds one 0/1 mask [T, k] over the
+window of used slots lo..hi (k = hi - lo + 1; base rows are all zero), and every wrapped
+layer costs a fixed number of ops whatever the number of adapters in the batch:
 
     xa = x · A[lo..hi]ᵀ            one GEMM for every slot and sub-projection
     xa ⊙ mask                       one multiply (for a fused layer it also lays xa out
@@ -23,13 +30,10 @@ layer then costs a fixed number of ops whatever the number of adapters in the ba
     y[:, part_i] += xa_i · Bᵀ_i     one addmm_ per sub-projection, in place
 
 so requests for different adapters — and for the base model — share one batch and one
-base GEMM, with no gather and no scatter. On CPU the shrink goes through the float32
-kernel of ``engine/csrc`` when it is built (it streams A once and splits the columns over
-the threads; ``torch.mm`` runs such thin products on one thread). The k-fold arithmetic
-of the window costs little: decode is bound by reading weights, and every used
-adapter's weights are read once either way. When one adapter's rows are one contiguous
-run (the runner puts decode rows of one adapter side by side), the layer takes the
-single-adapter path: one GEMM on that slice and one addmm_ per sub-projection, no mask.
+base GEMM, with no gather and no scatter. When one adapter's rows are one contiguous
+run, the layer takes the single-adapter path: one GEMM on that slice and one addmm_ per
+sub-projection, no mask. The k-fold arithmetic of the window costs little: decode is
+bound by reading weights, and every used adapter's weights are read once either way.
 The deltas never touch the base weight, so a quantized base layer (whose ``forward``
 calls its packed GEMM, ``models/quant.py``) is wrapped the same way.
 
@@ -39,7 +43,9 @@ per run and B block-diagonal over the fused sub-projections (3.4x the base step 
 loaded machine). The stacked version, measured in-process at batch 16 with four rank-16
 adapters on all seven projections against the base engine on the demo model: 1.28x the
 base step (bench/results/api.md, two threads) and 1.28x its CPU time (api-lora.md, one
-thread); base rows on the LoRA engine cost 1.00-1.03x.
+thread); base rows on the LoRA engine cost 1.00-1.03x. Once the base step got the fused
+decode step (the whole layer stack in one C++ call), adapter steps, still through the
+modules, cost 1.83x it; the CPU kernel brought them into the fused step.
 
 Sharding: adapters apply with the unsharded engine (one process per replica). A tensor
 or zero3 group refuses them at load time with a message saying so: their projections
@@ -184,10 +190,12 @@ class LayerPack:
     made once (per slot, and per window of slots when first used), since on CPU making
     a view costs about as much as a small GEMM's dispatch."""
 
-    __slots__ = ("a", "bt", "present", "rank", "slot_views", "_windows")
+    __slots__ = ("a", "bt", "present", "rank", "native", "slot_views", "_windows")
 
-    def __init__(self, a: torch.Tensor, bt: list[torch.Tensor], present: frozenset[int], rank: int) -> None:
+    def __init__(self, a: torch.Tensor, bt: list[torch.Tensor], present: frozenset[int], rank: int,
+                 native=None) -> None:
         self.a, self.bt, self.present, self.rank = a, bt, present, rank
+        self.native = native  # the CPU kernels' LoraPack of the same tensors (float32 on the CPU), or None
         # slot -> (A [n_sub·R, in], [Bᵀ_i [R, size_i]])
         self.slot_views = {s: (a[s - 1], [b[s - 1] for b in bt]) for s in present}
         self._windows: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -202,17 +210,46 @@ class LayerPack:
         return views
 
 
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """The runs of rows of one adapter, in row order: (slot, first row, end row); rows of
+    the base model (slot 0) are in none."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            if slots[start]:
+                runs.append((slots[start], start, i))
+            start = i
+    return runs
+
+
 class StepLora:
     """This step's adapter rows: the used slots in order, each one's contiguous runs of
-    rows, the 0/1 mask [T, k] of each row over the window ``used[0]..used[-1]`` (k
-    slots) and the packs the step started with."""
+    rows (and all runs in row order as a [n, 3] tensor, for the CPU kernel), the packs
+    the step started with, and (made when the torch path first needs it) the 0/1 mask
+    [T, k] of each row over the window ``used[0]..used[-1]`` (k slots)."""
 
-    __slots__ = ("packs", "used", "runs", "mask", "_masks")
+    __slots__ = ("packs", "used", "runs", "ordered", "slots", "_mask", "_masks")
 
-    def __init__(self, packs: dict[str, LayerPack], used: tuple[int, ...], runs: dict[int, list[tuple[int, int]]],
-                 mask: torch.Tensor) -> None:
-        self.packs, self.used, self.runs, self.mask = packs, used, runs, mask
+    def __init__(self, packs: dict[str, LayerPack], slots: list[int], ordered: list[tuple[int, int, int]]) -> None:
+        self.packs, self.slots = packs, slots
+        self.runs: dict[int, list[tuple[int, int]]] = {}
+        for slot, start, end in ordered:
+            self.runs.setdefault(slot, []).append((start, end))
+        self.used = tuple(sorted(self.runs))
+        self.ordered = torch.tensor(ordered, dtype=torch.long)
+        self._mask: torch.Tensor | None = None
         self._masks: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            window = torch.arange(self.used[0], self.used[-1] + 1)
+            mask = torch.tensor(self.slots)[:, None] == window[None, :]
+            some = next(iter(self.packs.values()), None)
+            if some is not None:
+                mask = mask.to(dtype=some.a.dtype).to(some.a.device, non_blocking=True)
+            self._mask = mask
+        return self._mask
 
     def mask_for(self, lo: int, hi: int, n_sub: int) -> torch.Tensor:
         """The mask of slots lo..hi, shaped to multiply xa: [T, k, 1] for an unfused
@@ -245,8 +282,10 @@ class AdapterRegistry:
         self._lock = threading.Lock()
         # the CPU kernels' module (engine/csrc), when built: its float32 GEMM streams each
         # adapter's A once and splits the columns over the threads, where torch.mm runs
-        # these thin products on one thread
+        # these thin products on one thread; and its LoRA kernel (lora.cpp) takes a float32
+        # layer's deltas in one call, the arithmetic the fused decode step runs
         self._gemm_f32 = getattr(kernels, "gemm_f32", None)
+        self.native = kernels if hasattr(kernels, "LoraPack") else None
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """x Aᵀ for A [n, in] (contiguous)."""
@@ -325,8 +364,16 @@ class AdapterRegistry:
             for i, (sub_a, sub_b) in (new_parts or {}).items():
                 a[new_slot - 1, i, :sub_a.shape[0]] = sub_a
                 bt[i][new_slot - 1, :sub_a.shape[0]] = sub_b.t()
-            packs[key] = LayerPack(a.view(count, n_sub * rank, -1), bt, frozenset(present), rank)
+            a = a.view(count, n_sub * rank, -1)
+            native = None
+            if self.native is not None and a.dtype == torch.float32 and a.device.type == "cpu":
+                native = self.native.LoraPack(a, bt, layer.offsets, sorted(present))
+            packs[key] = LayerPack(a, bt, frozenset(present), rank, native)
         return packs
+
+    def add_deltas(self, y: torch.Tensor, x: torch.Tensor, runs: torch.Tensor, pack: LayerPack) -> None:
+        """y += x's rows' deltas through the CPU kernel (``pack.native`` set)."""
+        self.native.lora_add_(y, x, runs, pack.native)
 
     def resolve(self, name: str) -> Adapter:
         adapter = self.by_name.get(name)
@@ -336,28 +383,10 @@ class AdapterRegistry:
         return adapter
 
     def begin_step(self, slots: list[int] | None) -> None:
-        """Reads the step's token slots (None: all base model): the used slots, their
-        runs of contiguous rows, and the 0/1 mask of each row over the used window."""
-        self.step = None
-        if not slots:
-            return
-        runs: dict[int, list[tuple[int, int]]] = {}
-        start = 0
-        for i in range(1, len(slots) + 1):
-            if i == len(slots) or slots[i] != slots[start]:
-                if slots[start]:
-                    runs.setdefault(slots[start], []).append((start, i))
-                start = i
-        if not runs:
-            return
-        packs = self.packs
-        used = tuple(sorted(runs))
-        window = torch.arange(used[0], used[-1] + 1)
-        mask = torch.tensor(slots)[:, None] == window[None, :]
-        some = next(iter(packs.values()), None)
-        if some is not None:
-            mask = mask.to(dtype=some.a.dtype).to(some.a.device, non_blocking=True)
-        self.step = StepLora(packs, used, runs, mask)
+        """Reads the step's token slots (None: all base model): the used slots and their
+        runs of contiguous rows (StepLora)."""
+        ordered = slot_runs(slots or [])
+        self.step = StepLora(self.packs, slots, ordered) if ordered else None
 
 
 class LoraLinear(nn.Module):
@@ -379,6 +408,10 @@ class LoraLinear(nn.Module):
             return y
         pack = step.packs.get(self.key)
         if pack is None:
+            return y
+        if (pack.native is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+                and y.is_contiguous()):
+            self.registry.add_deltas(y, x, step.ordered, pack)
             return y
         present = pack.present
         used = [s for s in step.used if s in present]

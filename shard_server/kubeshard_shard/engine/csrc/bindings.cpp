@@ -18,10 +18,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_logsumexp", &ks::argmax_logsumexp, "each row's argmax and log-sum-exp (float32 logits)");
   // module_local: a process may load several builds of this module (a test builds the
   // portable ones beside the native one), and pybind11 registers classes process-wide
+  py::class_<ks::LoraPack>(m, "LoraPack", py::module_local(),
+                           "a layer's stacked LoRA adapters: A, each sub-projection's B^T, offsets, slots (lora.cpp)")
+      .def(py::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>());
+  m.def("lora_add_", &ks::lora_add_, "y += the LoRA deltas of x's rows, each run (slot, first, end) its adapter's");
   py::class_<ks::FusedDecode>(m, "FusedDecode", py::module_local(),
                               "a decode-only step through every layer (fused_decode.cpp)")
       .def(py::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_gemm", &ks::FusedDecode::add_gemm)
       .def("add_layer", &ks::FusedDecode::add_layer)
-      .def("run", &ks::FusedDecode::run);
+      .def("set_lora", &ks::FusedDecode::set_lora)
+      .def("clear_lora", &ks::FusedDecode::clear_lora)
+      .def("run", &ks::FusedDecode::run, py::arg("hidden"), py::arg("positions"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("context_lens"), py::arg("runs") = py::none());
 }

@@ -16,6 +16,7 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -109,8 +110,22 @@ void FusedDecode::add_layer(at::Tensor input_norm, double input_eps, at::Tensor 
                           std::move(k_cache), std::move(v_cache), std::move(k_scale), std::move(v_scale)});
 }
 
+void FusedDecode::set_lora(int64_t gemm, const LoraPack& pack) {
+  TORCH_CHECK(gemm >= 0 && gemm < static_cast<int64_t>(gemms_.size()), "FusedDecode.set_lora: no GEMM ", gemm);
+  pack.check(gemms_[gemm].K, gemms_[gemm].N, "FusedDecode.set_lora");
+  lora_.resize(gemms_.size());
+  lora_[gemm] = pack;
+  const LoraPackView& p = pack.view();
+  lora_width_ = std::max<int64_t>(lora_width_, p.rank * static_cast<int64_t>(p.bt.size()));
+}
+
+void FusedDecode::clear_lora() {
+  lora_.clear();
+  lora_width_ = 0;
+}
+
 at::Tensor FusedDecode::run(at::Tensor hidden, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
-                            at::Tensor context_lens) const {
+                            at::Tensor context_lens, c10::optional<at::Tensor> runs) const {
   TORCH_CHECK(!layers_.empty(), "FusedDecode.run: no layers (add_layer adds them)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == positions.numel() && hidden.size(0) == slots.numel() &&
               hidden.size(0) == context_lens.numel(), "FusedDecode.run: one position, slot and context length "
@@ -133,10 +148,14 @@ at::Tensor FusedDecode::run(at::Tensor hidden, at::Tensor positions, at::Tensor 
     TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "FusedDecode.run: position ", pos[t], " out of range");
     TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "FusedDecode.run: slot ", sl[t], " out of range");
   }
+  std::vector<LoraRun> lora_runs_;
+  if (runs && runs->defined()) lora_runs_ = lora_runs(*runs, rows, "FusedDecode.run");
+  const bool lora = !lora_runs_.empty() && !lora_.empty();
   // the step's activations, one buffer reused by every layer: the residual stream, the
-  // norm's output, a GEMM's [rows, hidden] output, q|k|v, attention's output, gate|up
-  // and SwiGLU's output
-  at::Tensor buffer = at::empty({rows * (3 * H + qkv_n + q_size + 3 * I)}, hidden.options());
+  // norm's output, a GEMM's [rows, hidden] output, q|k|v, attention's output, gate|up,
+  // SwiGLU's output and (with adapter rows) x·Aᵀ of the adapters' runs
+  at::Tensor buffer = at::empty({rows * (3 * H + qkv_n + q_size + 3 * I + (lora ? lora_width_ : 0))},
+                                hidden.options());
   float* res = buffer.data_ptr<float>();
   float* normed = res + rows * H;
   float* out = normed + rows * H;
@@ -144,6 +163,15 @@ at::Tensor FusedDecode::run(at::Tensor hidden, at::Tensor positions, at::Tensor 
   float* attn = qkv + rows * qkv_n;
   float* gu = attn + rows * q_size;
   float* act = gu + rows * 2 * I;
+  float* xa = act + rows * I;
+  // a GEMM's output, then (LoraLinear.forward) its adapters' deltas
+  auto project = [&](int64_t g, const float* x, float* y) {
+    const Gemm& gemm = gemms_[g];
+    gemm(x, rows, y);
+    if (lora && lora_[g])
+      lora_add_into(x, gemm.K, y, gemm.N, lora_[g]->view(), lora_runs_.data(),
+                    static_cast<int64_t>(lora_runs_.size()), xa);
+  };
   const float* cs = cos_sin_.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -156,7 +184,7 @@ at::Tensor FusedDecode::run(at::Tensor hidden, at::Tensor positions, at::Tensor 
     else  // the residual stream takes the last layer's output in place
       rms_norm_into(out, res, l.input_norm.data_ptr<float>(), normed, res, rows, H, l.input_eps);
     // LlamaAttention.forward: q, k and v are column ranges of the projection's output
-    gemms_[l.qkv](normed, rows, qkv);
+    project(l.qkv, normed, qkv);
     rope_into(qkv, rows, heads_, D, qkv_n, pos, cs, P);
     rope_into(qkv + q_size, rows, kv_heads_, D, qkv_n, pos, cs, P);
     // PagedAttention.forward, a decode-only step: the K/V write, then the decode kernel
@@ -166,12 +194,12 @@ at::Tensor FusedDecode::run(at::Tensor hidden, at::Tensor positions, at::Tensor 
     kv_store_into(qkv + q_size, qkv + q_size + kv_size, rows, kv_heads_, D, qkv_n, l.k_cache, l.v_cache, ks, vs, sl);
     paged_decode_into(attn, qkv, rows, heads_, D, qkv_n, l.k_cache, l.v_cache, ks, vs, tables, block_tables.size(1),
                       lens, block_size_, scale_);
-    gemms_[l.o](attn, rows, out);
+    project(l.o, attn, out);
     rms_norm_into(out, res, l.post_norm.data_ptr<float>(), normed, res, rows, H, l.post_eps);
     // LlamaMLP.forward
-    gemms_[l.gate_up](normed, rows, gu);
+    project(l.gate_up, normed, gu);
     silu_mul_into(gu, act, rows, I);
-    gemms_[l.down](act, rows, out);
+    project(l.down, act, out);
   }
   at::Tensor final_out = at::empty({rows, H}, hidden.options());
   rms_norm_into(out, res, final_norm_.data_ptr<float>(), final_out.data_ptr<float>(), res, rows, H, final_eps_);

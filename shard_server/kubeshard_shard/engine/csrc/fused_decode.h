@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "lora.h"
 
 namespace ks {
 
@@ -22,10 +23,15 @@ class FusedDecode {
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, int64_t qkv,
                  int64_t o, int64_t gate_up, int64_t down, at::Tensor k_cache, at::Tensor v_cache,
                  c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
+  // The adapters of a GEMM's layer (with LoRA on), until clear_lora: a step's runs add
+  // their deltas to that GEMM's output as LoraLinear does after its base layer.
+  void set_lora(int64_t gemm, const LoraPack& pack);
+  void clear_lora();
   // The final norm's output [rows, hidden] for the embedded tokens `hidden`, one decoding
-  // sequence per row; writes each row's K/V at its slot in every layer's pool.
+  // sequence per row; writes each row's K/V at its slot in every layer's pool. `runs`: the
+  // rows that use adapters (lora.h), none when absent.
   at::Tensor run(at::Tensor hidden, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
-                 at::Tensor context_lens) const;
+                 at::Tensor context_lens, c10::optional<at::Tensor> runs) const;
 
  private:
   struct Gemm {
@@ -53,6 +59,8 @@ class FusedDecode {
   double scale_;
   int64_t hidden_, intermediate_ = 0;  // the model's widths (the MLP's from the first layer)
   std::vector<Gemm> gemms_;
+  std::vector<c10::optional<LoraPack>> lora_;  // by GEMM, as set_lora left them
+  int64_t lora_width_ = 0;                     // the most columns of xa a pack needs (n_sub · R)
   std::vector<Layer> layers_;
 };
 
