@@ -298,6 +298,9 @@ def test_a_router_that_did_not_take_the_load_replays_it_from_redis(setup, late_b
     key = "kubeshard:demo:lora"
     third = start_router("--backend", f"demo={setup.a.address}", *lora)
     try:
+        # its ready line means A answered Info; A is ready for loads once its probe has also
+        # seen it serving (after reading Redis)
+        assert wait_for(lambda: f"replica {setup.a.address} ready" in third.output, 60), third.output
         r = httpx.post(third.url + "/v1/load_lora_adapter", headers=NO_CACHE, timeout=60,
                        json={"lora_name": "gamma", "lora_path": setup.paths["gamma"]})
         assert r.status_code == 200, r.text
@@ -313,6 +316,8 @@ def test_a_router_that_did_not_take_the_load_replays_it_from_redis(setup, late_b
         assert wait_for(lambda: _adapters_of(c) == ["gamma"], timeout=60), _adapters_of(c)
         assert wait_for(lambda: f"replica 127.0.0.1:{c_port}: LoRA adapter gamma loaded again" in fourth.output,
                         timeout=10), fourth.output
+        assert wait_for(lambda: all(f"replica {address} ready" in fourth.output
+                                    for address in (setup.a.address, f"127.0.0.1:{c_port}")), 60), fourth.output
         r = httpx.post(fourth.url + "/v1/unload_lora_adapter", headers=NO_CACHE, timeout=60,
                        json={"lora_name": "gamma"})
         assert r.status_code == 200, r.text
