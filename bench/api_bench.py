@@ -11,8 +11,11 @@
     requests is shown too (the wrappers' own cost: its steps go through the fused decode
     step, as the base engine's), and the same through the modules
     (``lora_engine_base_modules``: the fused step off, as every LoRA engine served base
-    rows before it took them). ``--batch`` changes the 16 (``--cases lora`` alone: the
-    grammar case's schema is sized for 16).
+    rows before it took them). The mixed batch is also timed through the modules with the
+    deltas' CPU kernel (``lora4_modules``) and with the torch path's masked GEMMs
+    (``lora4_torch_modules``: how every step with adapter rows ran before the kernel).
+    ``--batch`` changes the 16 (``--cases lora`` alone: the grammar case's schema is
+    sized for 16).
 
 Each pair alternates over ``--rounds`` rounds after a warm-up; a round's figure is the
 median of its full-batch steps. The table gives the median round, the spread (min-max
@@ -151,13 +154,18 @@ def lora_case(model_dir: Path, rounds: int, n_tokens: int, threads: int, rank: i
         base_engine = engine(model_dir, threads)
         lora_engine = engine(model_dir, threads, lora_adapters=tuple(adapters))
         modules_engine = engine(model_dir, threads, lora_adapters=tuple(adapters))
+        torch_engine = engine(model_dir, threads, lora_adapters=tuple(adapters))
     modules_engine.runner.fused = None  # every step through the modules
+    torch_engine.runner.fused = None
+    for pack in torch_engine.runner.lora.packs.values():
+        pack.native = None  # LoraLinear takes the torch path (models/lora.py)
     vocab = base_engine.runner.model.config.vocab_size
     ps = prompts(vocab, n=batch, seed=1)
     base = [(p, make_sampling_params(max_new_tokens=n_tokens, ignore_eos=True)) for p in ps]
     mixed = [(p, make_sampling_params(max_new_tokens=n_tokens, ignore_eos=True, adapter=adapters[i % 4][0]))
              for i, p in enumerate(ps)]
     raw = _rounds({"base": (base_engine, base), "lora4": (lora_engine, mixed),
+                   "lora4_modules": (modules_engine, mixed), "lora4_torch_modules": (torch_engine, mixed),
                    "lora_engine_base": (lora_engine, base), "lora_engine_base_modules": (modules_engine, base)},
                   rounds)
     return {"summary": _summary(raw, "base"), "rank": rank, "raw": raw}
@@ -193,7 +201,8 @@ def report(results: dict, args) -> str:
     for name, r in results["models"].items():
         for case, base, target, rows in (("grammar", "free", "≤ 1.10", ("constrained",)),
                                          ("lora", "base", "≤ 1.3",
-                                          ("lora4", "lora_engine_base", "lora_engine_base_modules"))):
+                                          ("lora4", "lora4_modules", "lora4_torch_modules", "lora_engine_base",
+                                           "lora_engine_base_modules"))):
             if r.get(case) is None:
                 continue
             s = r[case]["summary"]
@@ -210,10 +219,12 @@ def report(results: dict, args) -> str:
               "with ignore_eos; the schema is compiled once before timing (the cache), so the figures are the "
               "per-step mask work (xgrammar, `engine/grammar.py`) and its one batched application. Adapters "
               f"are rank 16 on q, k, v, o, gate, up and down (PEFT, random weights), four in one batch of "
-              f"{results.get('batch', BATCH)} (a quarter of the rows each): stacked per layer with a per-step row "
-              "mask (`models/lora.py`); the base engine has no LoRA wrappers at all; `lora_engine_base` is the LoRA "
-              "engine serving base rows (through the fused decode step), `lora_engine_base_modules` the same with "
-              "that step off (through the modules).", ""]
+              f"{results.get('batch', BATCH)} (a quarter of the rows each), stacked per layer (`models/lora.py`); "
+              "`lora4` runs their deltas with the CPU kernel (`engine/csrc/lora.cpp`) inside the fused decode "
+              "step, `lora4_modules` with the same kernel through the modules (the fused step off), "
+              "`lora4_torch_modules` through the modules with the torch path's masked GEMMs; the base engine has "
+              "no LoRA wrappers at all; `lora_engine_base` is the LoRA engine serving base rows (through the fused "
+              "decode step), `lora_engine_base_modules` the same with that step off (through the modules).", ""]
     return "\n".join(lines)
 
 
