@@ -98,11 +98,9 @@ def test_only_one_operator_replica_acts(cluster, kubeshard):
      "spec.cache.activations.urlSecretRef.name in body should match"),
     ({"model": {"source": "/models/m", "adapterRoot": "loras"}},
      "spec.model.adapterRoot must be pvc://CLAIM/PATH, file:///ABS/PATH or an absolute host path"),
-    ({"model": {"source": "/models/m", "adapterRoot": "/srv/loras"}, "sharding": {"shards": 2}},
-     "spec.model.adapterRoot: adapters are loaded at run time by unsharded replicas only"),
 ], ids=["shards-0", "min-over-max", "unknown-strategy", "no-model", "negative-memory",
         "negative-cpu", "negative-gpu", "url-secret-without-name", "url-secret-bad-name",
-        "adapter-root-relative", "adapter-root-sharded"])
+        "adapter-root-relative"])
 def test_bad_specs_are_refused_with_a_clear_message(cluster, kubeshard, namespace, spec,
                                                     message, tmp_path):
     body = inference_service("bad", namespace, tmp_path)

@@ -336,12 +336,11 @@ def _runtime(r: Mapping[str, Any]) -> Runtime:
 def check_runtime(spec: InferenceServiceSpec) -> None:
     """What a runtime cannot honour (the CRD's CEL rules say the same at admission)."""
     rt = spec.runtime.name
-    if spec.model.adapters and (rt != "kubeshard" or spec.sharding.shards != 1):
-        raise SpecError("spec.model.adapters are applied by the kubeshard runtime's unsharded replicas only: "
-                        "spec.sharding.shards must be 1")
-    if spec.model.adapter_root is not None and (rt != "kubeshard" or spec.sharding.shards != 1):
-        raise SpecError("spec.model.adapterRoot: adapters are loaded at run time by the kubeshard runtime's "
-                        "unsharded replicas only: spec.sharding.shards must be 1")
+    if spec.model.adapters and rt != "kubeshard":
+        raise SpecError(f"spec.model.adapters are applied by the kubeshard runtime only, not {rt}")
+    if spec.model.adapter_root is not None and rt != "kubeshard":
+        raise SpecError(f"spec.model.adapterRoot: adapters are loaded at run time by the kubeshard runtime only, "
+                        f"not {rt}")
     if rt == "kubeshard":
         if spec.runtime.image or spec.runtime.args:
             raise SpecError("spec.runtime.image and spec.runtime.args are for other runtimes; the kubeshard "

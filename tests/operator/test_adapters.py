@@ -56,14 +56,25 @@ def test_an_adapter_root_is_mounted_for_runtime_loads():
     assert "lora-root" not in {v["name"] for v in plain["volumes"]}
 
 
+@pytest.mark.parametrize("strategy", ["tensor", "zero3"])
+def test_a_sharded_group_gets_its_adapters_on_every_rank(strategy):
+    """Every rank of a group reads each adapter (its share of it) and takes runtime loads:
+    the StatefulSet's one pod template, shared by the ranks, mounts and names them."""
+    spec = make_spec(model={"source": "/m", "adapters": ADAPTERS, "adapterRoot": "/srv/loras"},
+                     sharding={"strategy": strategy, "shards": 2})
+    pod = b.build_statefulset(spec, CFG, 0)["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--shards") + 1] == "2"
+    assert "sql=/adapters/sql" in args and "chat-v2=/adapters/chat-v2" in args
+    assert args[args.index("--lora-root") + 1] == "/lora-root"
+    assert {"adapter-0", "adapter-1", "lora-root"} <= {m["name"] for m in pod["containers"][0]["volumeMounts"]}
+
+
 @pytest.mark.parametrize("model, sharding, message", [
-    ({"adapterRoot": "/srv/loras"}, {"strategy": "tensor", "shards": 2},
-     "spec.model.adapterRoot: .* spec.sharding.shards must be 1"),
     ({"adapterRoot": "hf://org/loras"}, None, "spec.model.adapterRoot: hf://"),
     ({"adapterRoot": "relative/loras"}, None, "spec.model.adapterRoot"),
     ({"adapterRoot": "/srv/model.gguf"}, None, "spec.model.adapterRoot must be a folder"),
     ({"adapterRoot": ["/a"]}, None, "spec.model.adapterRoot must be a string"),
-    ({"adapters": ADAPTERS}, {"strategy": "tensor", "shards": 2}, "spec.sharding.shards must be 1"),
     ({"adapters": [{"name": "x", "source": "hf://org/lora"}]}, None, "spec.model.adapters[0].source: hf://"),
     ({"adapters": [{"name": "x", "source": "relative/path"}]}, None, "spec.model.adapters[0].source"),
     ({"adapters": [{"name": "bad name", "source": "/a"}]}, None, "spec.model.adapters[0].name 'bad name'"),

@@ -135,6 +135,10 @@ def test_changing_the_runtime_rolls_the_groups():
     ({"runtime": {"name": "openai", "image": "x"}, "sharding": {"strategy": "zero3"}},
      "spec.sharding.strategy zero3 needs"),
     ({"runtime": {"name": "tensorrt"}}, "spec.runtime.name 'tensorrt' is not one of"),
+    ({"runtime": {"name": "vllm"}, "model": {"source": "/m", "adapters": [{"name": "a", "source": "/a"}]}},
+     "spec.model.adapters are applied by the kubeshard runtime only, not vllm"),
+    ({"runtime": {"name": "onnx"}, "sharding": {"shards": 1}, "model": {"source": "/m", "adapterRoot": "/srv/l"}},
+     "spec.model.adapterRoot: adapters are loaded at run time by the kubeshard runtime only, not onnx"),
     ({"runtime": {"name": "vllm", "port": 0}}, "spec.runtime.port must be at least 1"),
 ])
 def test_a_runtime_refuses_what_it_cannot_honour(overrides, message):

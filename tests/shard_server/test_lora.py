@@ -10,8 +10,10 @@ import torch
 
 from kubeshard_shard.engine.request import RequestError, make_sampling_params
 from kubeshard_shard.models.lora import AdapterError, load_adapter
+from kubeshard_proto import pb
 from tests.support.engine import build_engine, random_prompts, run_to_completion
 from tests.support.lora import ALL, make_adapter, peft_greedy
+from tests.support.shard_process import start_group
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +218,94 @@ def test_the_kernel_names_what_is_wrong_with_its_arguments():
         built.LoraPack(a, bt, [0, 8], [3])
     with pytest.raises(RuntimeError, match="each Bᵀ must be contiguous float32"):
         built.LoraPack(a, [bt[0], torch.randn(2, 5, 6)], [0, 8], [1])
+
+
+def _generate(stub, prompt, n, adapter=""):
+    request = pb.GenerateRequest(request_id="l", input_ids=prompt, adapter=adapter, sampling=pb.SamplingParameters(),
+                                 stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+    return [t.id for t in stub.Generate(request, timeout=180)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["tensor", "zero3"])
+def test_sharded_groups_serve_adapters_as_transformers_and_peft_do(adapters, strategy):
+    """A tensor group cuts each adapter as it cuts the projection (B's rows of a column-
+    parallel layer, A's columns of a row-parallel one, whose deltas join the partial
+    products before the all-reduce); a zero3 group's ranks each apply whole adapters to
+    their own lane's rows. Requests for two adapters and the base model, at once, get
+    transformers+peft's tokens."""
+    import threading
+
+    model_dir, paths = adapters
+    group = start_group(model_dir, strategy, 2, "--lora-adapter", f"a={paths['a']}", "--lora-adapter",
+                        f"b={paths['b']}")
+    try:
+        stub = group.leader.stub()
+        assert sorted(a.name for a in stub.Info(pb.InfoRequest(), timeout=10).adapters) == ["a", "b"]
+        prompts = random_prompts(6, 1000, (10, 30), seed=4)
+        plan = list(zip(prompts, ["a", "", "b", "a", "b", ""]))
+        results: dict[int, list[int]] = {}
+
+        def run(i):
+            results[i] = _generate(stub, plan[i][0], 10, plan[i][1])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(plan))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        want = [peft_greedy(model_dir, paths[name] if name else None, p, 10) for p, name in plan]
+        assert [results.get(i) for i in range(len(plan))] == want
+        assert want[0] != peft_greedy(model_dir, None, plan[0][0], 10)  # the adapter changes the tokens
+    finally:
+        group.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["tensor", "zero3"])
+def test_a_sharded_group_loads_and_unloads_adapters_at_run_time_on_every_rank(adapters, tmp_path, strategy):
+    """LoadAdapter on a group's leader loads the adapter on every rank between two steps;
+    its requests then get transformers+peft's tokens; UnloadAdapter drops it everywhere.
+    A load another rank refuses (here: its --lora-root holds only root/shared) fails
+    naming the rank, and no rank keeps the adapter."""
+    import grpc
+    import shutil
+
+    model_dir, paths = adapters
+    root = tmp_path / "root"
+    shutil.copytree(paths["b"], root / "shared" / "b")
+    shutil.copytree(paths["a"], root / "leader-only")
+    group = start_group(model_dir, strategy, 2, "--lora-root", str(root),
+                        follower_flags={1: ["--lora-root", str(root / "shared")]})
+    try:
+        stub = group.leader.stub()
+        loaded = stub.LoadAdapter(pb.LoadAdapterRequest(name="b", source=str(root / "shared" / "b")), timeout=120)
+        assert loaded.name == "b"
+        prompts = random_prompts(2, 1000, (10, 30), seed=6)
+        assert _generate(stub, prompts[0], 8, "b") == peft_greedy(model_dir, paths["b"], prompts[0], 8)
+        assert _generate(stub, prompts[1], 8) == peft_greedy(model_dir, None, prompts[1], 8)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.LoadAdapter(pb.LoadAdapterRequest(name="a", source=str(root / "leader-only")), timeout=120)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "rank 1 of the group could not load" in refused.value.details(), refused.value.details()
+        assert [a.name for a in stub.Info(pb.InfoRequest(), timeout=10).adapters] == ["b"]
+        assert "outside this server's --lora-root" in group.followers[0].output
+        stub.UnloadAdapter(pb.UnloadAdapterRequest(name="b"), timeout=60)
+        assert list(stub.Info(pb.InfoRequest(), timeout=10).adapters) == []
+        # the slots agree again: the same adapter loads anew and serves as before
+        stub.LoadAdapter(pb.LoadAdapterRequest(name="b2", source=str(root / "shared" / "b")), timeout=120)
+        assert _generate(stub, prompts[0], 8, "b2") == peft_greedy(model_dir, paths["b"], prompts[0], 8)
+    finally:
+        group.stop()
+
+
+def test_a_runtime_load_crosses_the_step_channel_whole():
+    """What a group's leader sends its ranks: names and folders in any script, as int64s."""
+    from kubeshard_shard.models.lora import LoraCommand
+
+    for command in (LoraCommand("load", "sql-v2", "/lora-root/añejo/日本"), LoraCommand("unload", "x"),
+                    LoraCommand("load", "a", "")):
+        assert LoraCommand.decode(command.encode()) == command
 
 
 def test_runtime_loads_need_a_root_and_stay_under_it(tmp_path):

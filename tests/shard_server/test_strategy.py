@@ -45,19 +45,15 @@ def test_only_zero3_refuses_quantized_weights(method):
     check_quantize_strategy(config(), ZERO3)  # no quantization: nothing to refuse
 
 
-@pytest.mark.parametrize("overrides", [{"enable_lora": True}, {"lora_adapters": (("a", "/nowhere"),)}])
-def test_lora_is_refused_by_a_sharded_group_before_anything_loads(overrides):
-    for strategy in (TENSOR, ZERO3):
-        with pytest.raises(ValueError, match=r"unsharded replica only \(--shards 1\)"):
-            build_lora(config(**overrides), strategy, model=None, compute=None)
-    SINGLE.check_lora()
-    assert build_lora(config(), TENSOR, model=None, compute=None) is None  # LoRA off: no question asked
+def test_lora_off_builds_no_registry():
+    assert build_lora(config(), model=None, compute=None) is None
 
 
 @pytest.mark.parametrize("change", [
     {"dtype": "bfloat16"}, {"max_total_tokens": 512}, {"block_size": 32}, {"max_batch_tokens": 1024},
     {"quantize": "int8"}, {"quantize": "int4", "quantize_group_size": 64}, {"kv_cache_dtype": "int8"},
-    {"cpu_gemm": "torch"},
+    {"cpu_gemm": "torch"}, {"enable_lora": True}, {"lora_adapters": (("a", "/adapters/a"),)},
+    {"enable_lora": True, "max_loras": 3}, {"enable_lora": True, "max_lora_rank": 16},
 ])
 def test_ranks_must_agree_on_what_a_step_computes(change):
     base = config(quantize="int4")
@@ -68,3 +64,5 @@ def test_ranks_must_agree_on_what_a_step_computes(change):
 def test_settings_a_rank_may_hold_alone_do_not_split_the_group():
     base = config()
     assert engine_fingerprint(replace(base, num_threads=3, max_concurrent_requests=7)) == engine_fingerprint(base)
+    # LoRA's limits matter only with LoRA on (a group of fingerprints taken before it had LoRA stays one)
+    assert engine_fingerprint(replace(base, max_loras=3)) == engine_fingerprint(base)

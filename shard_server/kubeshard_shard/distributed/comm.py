@@ -111,12 +111,13 @@ class Comm:
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor, async_op: bool = False):
         return self._timed(dist.all_gather_into_tensor, out, local, group=self.step_group, async_op=async_op)
 
-    def all_gather_row(self, values: list[int]) -> list[list[int]]:
+    def all_gather_row(self, values: list[int], patient: bool = False) -> list[list[int]]:
         """Every rank's row of ints (rows of equal length), on every rank; a serving-loop
-        collective (short timeout)."""
+        collective (short timeout), or with ``patient`` one on the default group (the
+        long timeout: the ranks answer after work of seconds, such as loading an adapter)."""
         t = torch.tensor(values, dtype=torch.long)
         out = [torch.empty_like(t) for _ in range(self.shards)]
-        self._timed(dist.all_gather, out, t, group=self.step_group)
+        self._timed(dist.all_gather, out, t, group=None if patient else self.step_group)
         return [o.tolist() for o in out]
 
     def min_int(self, value: int) -> int:

@@ -5,8 +5,8 @@ and answers every question that depends on it:
 
 - before joining its peers: ``check`` the model's sizes; then ``join`` the group's
   communicator;
-- what it can serve: ``check_quantize`` (a weight quantization), ``check_lora`` (LoRA
-  adapters), both a ValueError naming the flag when it cannot;
+- what it can serve: ``check_quantize`` (a weight quantization), a ValueError naming the
+  flag when it cannot;
 - while loading: ``apply`` a pass over the model on the
   meta device, ``load_weights`` of this rank's share, ``kv_heads`` this rank keeps
   (``splits_kv_heads``: a slice of them, so its KV blocks are its own),
@@ -15,7 +15,8 @@ and answers every question that depends on it:
   them to the other ranks first; on a follower: ``follow`` the leader's steps;
 - around the loop: ``heartbeat`` while idle, ``stop`` at the end, ``comm_seconds``;
 - for the activation cache: ``exchange_cache`` hands the leader's ``CacheOps`` to every
-  rank's cache worker and gathers their answers (a follower answers in ``follow``).
+  rank's cache worker and gathers their answers (a follower answers in ``follow``);
+  ``lora_command`` does the same with a runtime LoRA adapter load or unload.
 
 ``Single`` is a group of one. ``Tensor`` keeps each rank's slice of every weight (one
 lane; the leader samples). ``Zero3`` keeps 1/N of every layer's parameters and
@@ -37,6 +38,7 @@ from kubeshard_shard.distributed.step_channel import Command, StepChannel, empty
 from kubeshard_shard.distributed.tensor_parallel import apply_tensor_parallel, check_divisible, local_kv_heads
 from kubeshard_shard.distributed.zero3 import Zero3Partitions
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs
+from kubeshard_shard.models.lora import LoraCommand
 from kubeshard_shard.models.config import ModelConfig
 from kubeshard_shard.models.loader import SafetensorsCheckpoint, load_weights
 
@@ -54,7 +56,6 @@ class Strategy(Protocol):
 
     def check(self, model_config: ModelConfig) -> None: ...
     def check_quantize(self, method: str) -> None: ...
-    def check_lora(self) -> None: ...
     def join(self, comm: Comm) -> None: ...
     def apply(self, model) -> None: ...
     def load_weights(self, model, checkpoint: SafetensorsCheckpoint) -> None: ...
@@ -64,6 +65,7 @@ class Strategy(Protocol):
     def execute(self, runner: ModelRunner, inputs: list[StepInputs | None]) -> Logits: ...
     def follow(self, runner: ModelRunner, should_stop: Callable[[], bool], cache: CacheWorker | None = None) -> int: ...
     def exchange_cache(self, ops: CacheOps, worker: CacheWorker) -> list[list[int]]: ...
+    def lora_command(self, command: LoraCommand, row: list[int]) -> list[list[int]]: ...
     def heartbeat(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -89,9 +91,6 @@ class Single:
         pass
 
     def check_quantize(self, method: str) -> None:
-        pass
-
-    def check_lora(self) -> None:
         pass
 
     def join(self, comm: Comm) -> None:
@@ -121,6 +120,9 @@ class Single:
     def exchange_cache(self, ops: CacheOps, worker: CacheWorker) -> list[list[int]]:
         return [worker.apply(ops)]
 
+    def lora_command(self, command: LoraCommand, row: list[int]) -> list[list[int]]:
+        return [row]
+
     def heartbeat(self) -> None:
         pass
 
@@ -145,11 +147,6 @@ class _Group:
 
     def check_quantize(self, method: str) -> None:
         pass  # each rank packs its own slice
-
-    def check_lora(self) -> None:
-        raise ValueError("LoRA adapters (--lora-adapter, --enable-lora) are applied by an unsharded replica only "
-                         "(--shards 1): the tensor and zero3 strategies split each projection, and the adapters' "
-                         "deltas are not split with them yet")
 
     @property
     def comm_seconds(self) -> float:
@@ -180,10 +177,19 @@ class _Group:
                 row = cache.apply(payload) if cache is not None else \
                     [0] * len(COUNTERS) + [NOT_MINE] * len(payload.queries)
                 self.comm.all_gather_row(row)
+            elif command is Command.LORA:
+                self.comm.all_gather_row(runner.lora.apply(payload) if runner.lora is not None else [0, 0],
+                                         patient=True)
 
     def exchange_cache(self, ops: CacheOps, worker: CacheWorker) -> list[list[int]]:
         self.channel.send_cache(ops)
         return self.comm.all_gather_row(worker.apply(ops))
+
+    def lora_command(self, command: LoraCommand, row: list[int]) -> list[list[int]]:
+        """Sends the other ranks a runtime adapter load or unload; every rank's answer
+        (``AdapterRegistry.apply``), the leader's ``row`` first."""
+        self.channel.send_lora(command)
+        return self.comm.all_gather_row(row, patient=True)
 
     def heartbeat(self) -> None:
         self.channel.send_heartbeat()

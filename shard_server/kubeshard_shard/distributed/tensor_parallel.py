@@ -58,11 +58,19 @@ class QKVParallelLinear(MergedLinear):
         # rows of the checkpoint's q, k and v tensors that this rank keeps
         self.source_rows = [(rank * q_heads * hd, q_heads * hd), (kv_start * hd, kv_heads * hd),
                             (kv_start * hd, kv_heads * hd)]
+        self.full_sizes = [config.num_attention_heads * hd, config.num_key_value_heads * hd,
+                           config.num_key_value_heads * hd]
         self.num_heads, self.num_kv_heads = q_heads, kv_heads
 
     def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
         start, size = self.source_rows[shard_id]
         _copy_into(param.data.narrow(0, self.shard_offset(shard_id), size), tensor_slice[start:start + size], name)
+
+    def lora_slice(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A LoRA adapter's (A, B) of sub-projection ``sub`` as this rank applies them: B's
+        rows of the outputs it keeps (models/lora.py)."""
+        start, size = self.source_rows[sub]
+        return a, b[start:start + size]
 
 
 class MergedColumnParallelLinear(MergedLinear):
@@ -71,19 +79,30 @@ class MergedColumnParallelLinear(MergedLinear):
     def __init__(self, in_features: int, full_sizes: list[int], bias: bool, rank: int, shards: int) -> None:
         super().__init__(in_features, [n // shards for n in full_sizes], bias)
         self.source_rows = [(rank * (n // shards), n // shards) for n in full_sizes]
+        self.full_sizes = list(full_sizes)
 
     def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
         start, size = self.source_rows[shard_id]
         _copy_into(param.data.narrow(0, self.shard_offset(shard_id), size), tensor_slice[start:start + size], name)
 
+    lora_slice = QKVParallelLinear.lora_slice
+
 
 class RowParallelLinear(Linear):
-    """Split along the input dimension; partial products are summed by an all-reduce."""
+    """Split along the input dimension; partial products are summed by an all-reduce.
+    ``forward``'s ``partial`` (a LoRA wrapper's) adds to this rank's partial product
+    before the reduction, so the sum carries it once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, shards: int, comm: Comm) -> None:
         super().__init__(in_features // shards, out_features, bias)
         self.start = rank * (in_features // shards)
+        self.full_in_features = in_features
         self.comm = comm
+
+    def lora_slice(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A LoRA adapter's (A, B) as this rank applies them: A's columns of the inputs it
+        keeps; its partial x·Aᵀ times B joins the partial product the all-reduce sums."""
+        return a[:, self.start:self.start + self.in_features], b
 
     def load_weight(self, name, param, tensor_slice, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
@@ -91,8 +110,11 @@ class RowParallelLinear(Linear):
         else:
             _copy_into(param, tensor_slice[:, self.start:self.start + self.in_features], name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.comm.all_reduce(self.gemm(x, self.weight))
+    def forward(self, x: torch.Tensor, partial=None) -> torch.Tensor:
+        out = self.gemm(x, self.weight)
+        if partial is not None:
+            partial(x, out)
+        out = self.comm.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

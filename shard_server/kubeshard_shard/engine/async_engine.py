@@ -159,6 +159,17 @@ class AsyncEngine:
                 self._commands.put(("abort", stream))
                 self._wake.set()
 
+    async def call(self, fn: Callable[[], object]) -> object:
+        """``fn()`` run in the loop thread between two steps (what must not interleave with
+        a step: a sharded group's runtime adapter load, which its other ranks take from
+        the step channel); its result, or its exception raised here."""
+        if self.error is not None or not self.alive:
+            raise EngineUnavailable(f"the engine is not serving: {self.error or 'stopped'}")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", (fn, future)))
+        self._wake.set()
+        return await future
+
     # ---- the loop thread ---------------------------------------------------------
     def _apply_commands(self) -> bool:
         """Applies queued commands; False when the loop must end."""
@@ -176,6 +187,16 @@ class AsyncEngine:
             elif kind == "abort":
                 if arg.key is not None and self._streams.pop(arg.key, None) is not None:
                     self.engine.abort(arg.key)
+            elif kind == "call":
+                fn, future = arg
+                if self.error is not None:
+                    self._settle(future, None, EngineUnavailable(f"the engine is not serving: {self.error}"))
+                    continue
+                try:
+                    result, error = fn(), None
+                except Exception as exc:  # the caller's to report
+                    result, error = None, exc
+                self._settle(future, result, error)
             elif kind == "fail":
                 self._fail_all(arg)
             elif kind == "stop":
@@ -189,6 +210,18 @@ class AsyncEngine:
             self.engine.abort(key)
         self._streams.clear()
         self._post(posts)
+
+    def _settle(self, future: asyncio.Future, result, error: BaseException | None) -> None:
+        def settle():
+            if future.done():  # the caller went away
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(settle)
 
     def _post(self, items: list) -> None:
         if items and self._loop is not None and not self._loop.is_closed():
@@ -244,6 +277,16 @@ class AsyncEngine:
             log.exception("engine loop crashed")
             self.error = exc
             self._fail_all(EngineFailed(f"engine loop crashed: {exc}"))
+        finally:  # calls queued behind the stop (or the crash) are answered, not left waiting
+            while True:
+                try:
+                    kind, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "call":
+                    self._settle(arg[1], None, EngineUnavailable("the engine stopped"))
+                elif kind == "add":
+                    self._post([(arg, EngineUnavailable("the engine stopped"))])
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.stats()

@@ -38,7 +38,7 @@ class StepInputs:
     # (query_start, query_len, context_len) per prefill chunk; context slots below
     prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     context_slots: list[torch.Tensor | None] = field(default_factory=list)
-    # LoRA slot of each token (None: all base model); unsharded engines only
+    # LoRA slot of each token (None: all base model)
     lora_slots: list[int] | None = None
 
 

@@ -47,16 +47,22 @@ thread); base rows on the LoRA engine cost 1.00-1.03x. Once the base step got th
 decode step (the whole layer stack in one C++ call), adapter steps, still through the
 modules, cost 1.83x it; the CPU kernel brought them into the fused step.
 
-Sharding: adapters apply with the unsharded engine (one process per replica). A tensor
-or zero3 group refuses them at load time with a message saying so: their projections
-hold slices (or all-gathered partitions) of each weight, and the deltas would need the
-same split plus the row-parallel all-reduce, which is not written yet.
+Sharding: every rank of a group holds the adapters. A tensor-parallel rank cuts each one
+as its projection is cut (``lora_slice``): B's rows of the outputs a column-parallel
+layer keeps; A's columns of the inputs a row-parallel layer keeps, whose x·Aᵀ·Bᵀ then
+joins the partial product before the all-reduce, so the sum carries the delta once. A
+zero3 rank applies whole adapters to its own lane's rows (its layers compute whole, on
+the gathered weights). Each step's slots reach the ranks with its inputs (the step
+channel); a runtime load or unload reaches them between two steps (``LoraCommand``,
+``AdapterRegistry.apply``), and every rank adds and removes adapters in the same order,
+so their slots agree.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +70,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kubeshard_shard.distributed.tensor_parallel import RowParallelLinear
 from kubeshard_shard.models.readable import unreadable
+
+log = logging.getLogger(__name__)
 
 # PEFT module names -> (our layer attribute, index of the sub-projection in a fused layer)
 TARGETS = {
@@ -169,18 +178,42 @@ def load_adapter(name: str, source: str, model: nn.Module, dtype: torch.dtype, d
         layer = adapter.weights[layer_key] = {}
         for index, (a, b) in parts.items():
             sub = index or 0
-            if a.shape[1] != wrapper.in_features:
+            if a.shape[1] != wrapper.full_in_features:
                 raise AdapterError(f"adapter {name!r}: {layer_key} lora_A has {a.shape[1]} inputs, the model "
-                                   f"{wrapper.in_features}; the adapter belongs to another model")
+                                   f"{wrapper.full_in_features}; the adapter belongs to another model")
             if a.shape[0] != rank:
                 raise AdapterError(f"adapter {name!r}: {layer_key} has rank {a.shape[0]}, the config r {rank}; "
                                    "per-module ranks (rank_pattern) are not supported")
-            if b.shape != (wrapper.sizes[sub], rank):
+            if b.shape != (wrapper.full_sizes[sub], rank):
                 raise AdapterError(f"adapter {name!r}: {layer_key} lora_B has shape {tuple(b.shape)}, "
-                                   f"expected {(wrapper.sizes[sub], rank)}")
+                                   f"expected {(wrapper.full_sizes[sub], rank)}")
+            a, b = wrapper.lora_slice(sub, a, b)
             layer[sub] = (a.to(device=device, dtype=dtype).contiguous(),
                           (b.float() * scale).to(device=device, dtype=dtype).contiguous())
     return adapter
+
+
+@dataclass(frozen=True)
+class LoraCommand:
+    """A runtime load (``source``: the folder, already checked under --lora-root) or
+    unload the leader of a group sends its other ranks (distributed/step_channel.py)."""
+
+    op: str  # "load" or "unload"
+    name: str
+    source: str = ""
+
+    def encode(self) -> torch.Tensor:
+        name, source = self.name.encode(), self.source.encode()
+        return torch.tensor([1 if self.op == "load" else 0, len(name), *name, len(source), *source],
+                            dtype=torch.long)
+
+    @classmethod
+    def decode(cls, payload: torch.Tensor) -> "LoraCommand":
+        values = payload.tolist()
+        n = values[1]
+        name = bytes(values[2:2 + n]).decode()
+        source = bytes(values[3 + n:3 + n + values[2 + n]]).decode()
+        return cls("load" if values[0] else "unload", name, source)
 
 
 class LayerPack:
@@ -280,6 +313,8 @@ class AdapterRegistry:
         self.packs: dict[str, LayerPack] = {}     # swapped whole on add/remove
         self.step: StepLora | None = None
         self._lock = threading.Lock()
+        self._model: nn.Module | None = None  # bind: what read loads adapters for
+        self._dtype, self._device = torch.float32, torch.device("cpu")
         # the CPU kernels' module (engine/csrc), when built: its float32 GEMM streams each
         # adapter's A once and splits the columns over the threads, where torch.mm runs
         # these thin products on one thread; and its LoRA kernel (lora.cpp) takes a float32
@@ -295,6 +330,26 @@ class AdapterRegistry:
 
     def names(self) -> list[str]:
         return sorted(self.by_name)
+
+    def bind(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        """The model (wrapped by ``enable_lora``) whose layers ``read`` loads adapters for."""
+        self._model, self._dtype, self._device = model, dtype, device
+
+    def read(self, name: str, source: str) -> Adapter:
+        """An adapter read from ``source`` for the bound model (not yet added)."""
+        return load_adapter(name, source, self._model, self._dtype, self._device, self.max_rank)
+
+    def apply(self, command: LoraCommand) -> list[int]:
+        """A group member's side of a runtime load or unload its leader sent: [1, slot]
+        when done (slot 0 for an unload), [0, 0] when refused (the log says why)."""
+        try:
+            if command.op == "load":
+                return [1, self.add(self.read(command.name, self.runtime_source(command.source)))]
+            self.remove(command.name)
+            return [1, 0]
+        except (AdapterError, RuntimeLoadsOff, OSError, ValueError, KeyError, RuntimeError) as exc:
+            log.error("LoRA adapter %s: %s from the leader refused: %s", command.name, command.op, exc)
+            return [0, 0]
 
     def runtime_source(self, source: str) -> str:
         """The folder a runtime load (LoadAdapter) may read for ``source``: it must lie under
@@ -390,7 +445,13 @@ class AdapterRegistry:
 
 
 class LoraLinear(nn.Module):
-    """A projection plus the deltas of the adapters its rows use this step."""
+    """A projection plus the deltas of the adapters its rows use this step.
+
+    Under tensor parallelism the base is a slice of the projection: ``lora_slice`` (the
+    base's) cuts each adapter the same way when it is loaded, and a row-parallel base
+    (which sums its ranks' partial products) takes the deltas into its partial product
+    before the all-reduce (``forward(x, partial)``); the full sizes are the checkpoint's,
+    which an adapter must match."""
 
     def __init__(self, base: nn.Module, key: str, registry: AdapterRegistry) -> None:
         super().__init__()
@@ -400,23 +461,38 @@ class LoraLinear(nn.Module):
         self.in_features = base.in_features
         self.sizes = list(getattr(base, "output_sizes", [base.out_features]))
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.full_in_features = getattr(base, "full_in_features", base.in_features)
+        self.full_sizes = list(getattr(base, "full_sizes", self.sizes))
+        self.partial = isinstance(base, RowParallelLinear)
+
+    def lora_slice(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [R, in], B [size, R]) as this rank applies them."""
+        cut = getattr(self.base, "lora_slice", None)
+        return (a, b) if cut is None else cut(sub, a, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.partial:
+            return self.base(x, self.add_deltas)
         y = self.base(x)
+        self.add_deltas(x, y)
+        return y
+
+    def add_deltas(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the deltas of the adapters x's rows use this step, in place."""
         step = self.registry.step
         if step is None:
-            return y
+            return
         pack = step.packs.get(self.key)
         if pack is None:
-            return y
+            return
         if (pack.native is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
                 and y.is_contiguous()):
             self.registry.add_deltas(y, x, step.ordered, pack)
-            return y
+            return
         present = pack.present
         used = [s for s in step.used if s in present]
         if not used:
-            return y
+            return
         lo, hi = used[0], used[-1]
         runs = step.runs[lo]
         if lo == hi and len(runs) == 1:  # one adapter, one slice of rows: no mask
@@ -429,11 +505,11 @@ class LoraLinear(nn.Module):
             xa = self.registry.shrink(x, a)
             if len(bts) == 1:
                 y_rows.addmm_(xa, bts[0])
-                return y
+                return
             rank = pack.rank
             for i, bt in enumerate(bts):
                 y_rows.narrow(1, self.offsets[i], self.sizes[i]).addmm_(xa.narrow(1, i * rank, rank), bt)
-            return y
+            return
         a, bts = pack.window(lo, hi)
         n_sub = len(bts)
         mask = step.mask_for(lo, hi, n_sub)
@@ -442,12 +518,11 @@ class LoraLinear(nn.Module):
         if n_sub == 1:
             xa.view(tokens, k, rank).mul_(mask)
             y.addmm_(xa, bts[0])
-            return y
+            return
         xs = torch.empty(n_sub, tokens, k * rank, dtype=xa.dtype, device=xa.device)
         torch.mul(xa.view(tokens, k, n_sub, rank).permute(2, 0, 1, 3), mask, out=xs.view(n_sub, tokens, k, rank))
         for i, bt in enumerate(bts):
             y.narrow(1, self.offsets[i], self.sizes[i]).addmm_(xs[i], bt)
-        return y
 
 
 def enable_lora(model: nn.Module, registry: AdapterRegistry) -> None:

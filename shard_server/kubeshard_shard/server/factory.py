@@ -28,7 +28,7 @@ from kubeshard_shard.engine.request import Limits
 from kubeshard_shard.engine.sequence import SamplingParams
 from kubeshard_shard.models.config import ModelConfig, load_model_config
 from kubeshard_shard.models.loader import load_model
-from kubeshard_shard.models.lora import AdapterRegistry, enable_lora, load_adapter
+from kubeshard_shard.models.lora import AdapterRegistry, enable_lora
 from kubeshard_shard.server.speculation import build_speculator
 from kubeshard_shard.tokenizer import ModelTokenizer, load_tokenizer
 
@@ -122,15 +122,15 @@ def quantize_weights(config: EngineConfig, compute: Compute, model) -> None:
                          "(for gguf: the file holds no Q8_0, Q4_0 or Q4_1 projection)")
 
 
-def build_lora(config: EngineConfig, strategy: Strategy, model, compute: Compute) -> AdapterRegistry | None:
+def build_lora(config: EngineConfig, model, compute: Compute) -> AdapterRegistry | None:
     """The LoRA adapter registry (None when LoRA is off), with the start-up adapters loaded."""
     if not (config.enable_lora or config.lora_adapters or config.lora_root):
         return None
-    strategy.check_lora()
     registry = AdapterRegistry(config.max_loras, config.max_lora_rank, compute.kernels, config.lora_root)
     enable_lora(model, registry)
+    registry.bind(model, compute.dtype, compute.device)
     for name, source in config.lora_adapters:
-        adapter = load_adapter(name, source, model, compute.dtype, compute.device, config.max_lora_rank)
+        adapter = registry.read(name, source)
         registry.add(adapter)
         log.info("LoRA adapter %s from %s: rank %d on %s", name, source, adapter.rank,
                  ", ".join(adapter.target_modules))
@@ -200,7 +200,7 @@ def build_served_model(config: EngineConfig, strategy: Strategy | None = None,
                                                        compute.device, limits))
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
                     model_config.head_dim, compute.cache_dtype, compute.device, compute.kernels)
-    runner = ModelRunner(model, cache, compute.device, compute.decode_kernel, build_lora(config, strategy, model, compute))
+    runner = ModelRunner(model, cache, compute.device, compute.decode_kernel, build_lora(config, model, compute))
     # the leader proposes; followers only verify, as ordinary steps
     speculator = build_speculator(config, model_config, compute, tokenizer, limits, num_blocks,
                                   strategy.lanes) if strategy.rank == 0 else None

@@ -25,7 +25,7 @@ from kubeshard_shard.server.fresh_thread import run_in_fresh_thread
 from kubeshard_shard.engine.llm_engine import EngineStats, TokenOutput
 from kubeshard_shard.engine.request import MAX_SEQUENCES, RequestError, check_prompt, make_sampling_params
 from kubeshard_shard.engine.sequence import FinishReason, GrammarSpec, SamplingParams
-from kubeshard_shard.models.lora import AdapterError, RuntimeLoadsOff, load_adapter
+from kubeshard_shard.models.lora import Adapter, AdapterError, LoraCommand, RuntimeLoadsOff
 from kubeshard_shard.server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -282,8 +282,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         runner = self.served.engine.runner
         if runner.lora is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "this server loads no LoRA adapters at run time: start it with --lora-root DIR "
-                                "(an unsharded replica)")
+                                "this server loads no LoRA adapters at run time: start it with --lora-root DIR")
         if not request.name or not request.source:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter needs a name and a source folder")
         if request.name in runner.lora.by_name:
@@ -291,32 +290,57 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         lora = runner.lora
         try:
             source = lora.runtime_source(request.source)
-
-            def load():  # off the event loop (reading the files and restacking the buffers take a while),
-                # in a thread that ends: see fresh_thread
-                adapter = load_adapter(request.name, source, runner.model, self.served.dtype, self.served.device,
-                                       lora.max_rank)
-                lora.add(adapter)
-                return adapter
-
-            adapter = await run_in_fresh_thread(load, "lora-load")
+            # read off the event loop (reading the files and restacking the buffers take a
+            # while), in a thread that ends: see fresh_thread
+            adapter = await run_in_fresh_thread(lambda: lora.read(request.name, source), "lora-load")
+            if self.served.strategy.shards == 1:
+                await run_in_fresh_thread(lambda: lora.add(adapter), "lora-load")
+            else:  # between two steps, on every rank at once (Strategy.lora_command)
+                await self.engine.call(lambda: self._load_on_group(adapter, source))
         except FileExistsError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except RuntimeLoadsOff as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except (AdapterError, OSError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # the engine stopped, or the group's collective failed
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"adapter {request.name!r} was not loaded: {exc}")
         log.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.source, adapter.rank)
         return adapter_message(adapter)
+
+    def _load_on_group(self, adapter: Adapter, source: str) -> None:
+        """The leader's side of a group's runtime load (in the engine thread, so no step
+        sees one rank with the adapter and another without): every other rank reads and
+        adds it, then the leader adds the one it read; when a rank refuses, the ranks that
+        took it drop it again and the load fails naming them."""
+        lora, strategy = self.served.engine.runner.lora, self.served.strategy
+        rows = strategy.lora_command(LoraCommand("load", adapter.name, source), [1, 0])
+        refused = [rank for rank, (done, _) in enumerate(rows) if rank and not done]
+        if not refused:
+            slot = lora.add(adapter)
+            refused = [rank for rank, (_, other) in enumerate(rows) if rank and other != slot]
+            if refused:  # cannot happen while every rank adds and removes in the same order
+                lora.remove(adapter.name)
+        if refused:
+            strategy.lora_command(LoraCommand("unload", adapter.name), [1, 0])
+            ranks = ", ".join(map(str, refused))
+            raise AdapterError(f"adapter {adapter.name!r}: rank {ranks} of the group could not load {source} "
+                               "(its log says why); no rank keeps it")
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
         lora = self.served.engine.runner.lora if self.served is not None else None
         if lora is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name!r} is not loaded")
         try:
-            lora.remove(request.name)
+            if self.served.strategy.shards == 1:
+                lora.remove(request.name)
+            else:  # the leader refuses (in use, unknown) before any other rank is told
+                await self.engine.call(lambda: (lora.remove(request.name), self.served.strategy.lora_command(
+                    LoraCommand("unload", request.name), [1, 0])))
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except EngineUnavailable as exc:  # before RuntimeError, its base
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.UnloadAdapterResponse()
