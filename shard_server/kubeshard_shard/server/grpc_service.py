@@ -327,6 +327,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             raise AdapterError(f"adapter {adapter.name!r}: rank {ranks} of the group could not load {source} "
                                "(its log says why); no rank keeps it")
 
+    def _unload_on_group(self, name: str) -> None:
+        """The leader's side of a group's unload (in the engine thread): the leader refuses
+        first (unknown, or serving requests), before any other rank is told."""
+        self.served.engine.runner.lora.remove(name)
+        self.served.strategy.lora_command(LoraCommand("unload", name), [1, 0])
+
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
         lora = self.served.engine.runner.lora if self.served is not None else None
         if lora is None:
@@ -334,9 +340,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             if self.served.strategy.shards == 1:
                 lora.remove(request.name)
-            else:  # the leader refuses (in use, unknown) before any other rank is told
-                await self.engine.call(lambda: (lora.remove(request.name), self.served.strategy.lora_command(
-                    LoraCommand("unload", request.name), [1, 0])))
+            else:
+                await self.engine.call(lambda: self._unload_on_group(request.name))
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except EngineUnavailable as exc:  # before RuntimeError, its base
