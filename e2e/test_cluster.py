@@ -391,7 +391,10 @@ def test_aggregation_layer_proxies_to_an_apiservice_backend(cluster: Cluster, na
     try:
         cluster.kubectl("wait", "--for=condition=Available", f"apiservice/v1.{group}", "--timeout=90s",
                         timeout=100)
-        listing = json.loads(cluster.kubectl("get", "--raw", f"/apis/{group}/v1").stdout)
+        # Available comes from the aggregator's availability check; its proxy for the group
+        # is installed by another controller and may answer 503 for a moment after that
+        listing = json.loads(wait_for(lambda: cluster.kubectl("get", "--raw", f"/apis/{group}/v1").stdout, 30,
+                                      what=f"the aggregator to proxy /apis/{group}/v1"))
         resource = listing["resources"][0]
         assert listing["groupVersion"] == f"{group}/v1"
         assert resource["name"] == "whoami-kubernetes-admin", resource  # X-Remote-User from the aggregator
