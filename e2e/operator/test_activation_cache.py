@@ -78,12 +78,14 @@ def test_shards_use_a_password_redis_named_by_a_secret(cluster, kubeshard, names
             guarded.ping()
         r = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=5)
         # the prefill's blocks are written after the answer, asynchronously
-        keys = wait_for(lambda: r.keys("kubeshard:cached:*kv*") or None, 60,
+        keys = wait_for(lambda: r.keys("kubeshard:cached:*:kv:*") or None, 60,
                         what="the prompt's KV blocks in the password Redis")
         assert len(keys) >= 2
     with cluster.port_forward(kubeshard.namespace, f"service/{kubeshard.component('redis')}", 6379) as port:
         chart = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
-        assert chart.keys("kubeshard:cached:*kv*") == []  # the Secret's Redis, not the operator's
+        # (the KV keys' `:kv:` segment: the router's load key there ends in its pod's name,
+        # whose random suffix once ended in "kv")
+        assert chart.keys("kubeshard:cached:*:kv:*") == []  # the Secret's Redis, not the operator's
 
     logs = cluster.pod_logs(namespace, "cached-g0-0")
     assert "activation cache on: redis://***@redis-auth" in logs, logs[-2000:]
