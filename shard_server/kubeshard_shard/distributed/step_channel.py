@@ -2,9 +2,9 @@
 
 A step is a list of ``StepInputs``, one per lane (one for tensor parallel, one per
 rank for zero3; each row's LoRA adapter slot with them), flattened into a single int64
-tensor and broadcast after a fixed-size header; no pickles cross the wire. When the engine is idle the leader sends a
-heartbeat, so followers never wait longer than the step timeout unless the leader is
-gone — then they fail and exit. A CACHE message carries the activation cache's
+tensor and broadcast after a fixed-size header; no pickles cross the wire. When the
+engine is idle the leader sends a heartbeat, so followers never wait longer than the
+step timeout unless the leader is gone — then they fail and exit. A CACHE message carries the activation cache's
 ``CacheOps`` (transfers between the ranks' KV pools and Redis); every rank answers it
 with one row of ints, gathered by all. A LORA message carries a runtime adapter load or
 unload (``models.lora.LoraCommand``), answered the same way.

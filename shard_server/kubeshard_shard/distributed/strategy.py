@@ -38,9 +38,9 @@ from kubeshard_shard.distributed.step_channel import Command, StepChannel, empty
 from kubeshard_shard.distributed.tensor_parallel import apply_tensor_parallel, check_divisible, local_kv_heads
 from kubeshard_shard.distributed.zero3 import Zero3Partitions
 from kubeshard_shard.engine.model_runner import ModelRunner, StepInputs
-from kubeshard_shard.models.lora import LoraCommand
 from kubeshard_shard.models.config import ModelConfig
 from kubeshard_shard.models.loader import SafetensorsCheckpoint, load_weights
+from kubeshard_shard.models.lora import LoraCommand
 
 log = logging.getLogger(__name__)
 
