@@ -158,13 +158,18 @@ def test_a_completion_of_several_prompts_fails_and_leaves_as_one(router):
     assert wait_for(lambda: stub.counters.active == 0)
     stub.behaviour.fail_after_tokens = None
     stub.behaviour.token_delay_s = 0.2  # 100 tokens would take 20 s
-    cancelled = stub.counters.cancelled
+    counters = stub.counters
+    calls, cancelled, completed = counters.generate_calls, counters.cancelled, counters.completed
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", router.url + "/v1/completions",
                            json={"prompt": ["a", "b", "c"], "max_tokens": 100, "stream": True}) as s:
             for _ in sse_events(s.iter_lines()):
                 break
-    assert wait_for(lambda: stub.counters.cancelled == cancelled + 3 and stub.counters.active == 0)
+    # every generation that reached the stub is cancelled (one whose call the router had not
+    # yet sent when the client left never runs; a CI run failed waiting for all three)
+    assert wait_for(lambda: counters.active == 0 and counters.generate_calls > calls
+                    and counters.cancelled - cancelled == counters.generate_calls - calls), vars(counters)
+    assert counters.completed == completed
     assert wait_for(lambda: router.state.registry.models["stub"].admission.in_flight == 0)
 
 
