@@ -219,6 +219,11 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
 
+    @property
+    def lora_on(self) -> bool:
+        """Whether the engine wraps its projections for LoRA adapters."""
+        return self.enable_lora or bool(self.lora_adapters) or self.lora_root is not None
+
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_concurrent_requests", "max_num_seqs", "block_size"):
             value = getattr(self, name)

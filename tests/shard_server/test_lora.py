@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kubeshard_shard.engine.request import RequestError, make_sampling_params
-from kubeshard_shard.models.lora import AdapterError, load_adapter
+from kubeshard_shard.models.lora import AdapterError, load_adapter, slot_runs
 from kubeshard_proto import pb
 from tests.support.engine import build_engine, random_prompts, run_to_completion
 from tests.support.lora import ALL, make_adapter, peft_greedy
@@ -169,17 +169,10 @@ def test_the_kernel_gives_each_row_its_adapters_delta_in_every_build(march):
         offsets = [sum(sizes[:i]) for i in range(n_sub)]
         pack = built.LoraPack(a, bt, offsets, [1, 2, 4])  # slot 3 holds no adapter for this layer
         slots = [0, 2, 2, 1, 0, 3, 4, 4, 4, 2, 0]
-        runs = [(s, i, i + 1) for i, s in enumerate(slots) if s]
-        merged = [runs[0]]
-        for run in runs[1:]:
-            if run[0] == merged[-1][0] and run[1] == merged[-1][2]:
-                merged[-1] = (run[0], merged[-1][1], run[2])
-            else:
-                merged.append(run)
         x = torch.randn(len(slots), K, generator=g)
         y0 = torch.randn(len(slots), sum(sizes), generator=g)
         y = y0.clone()
-        built.lora_add_(y, x, torch.tensor(merged), pack)
+        built.lora_add_(y, x, torch.tensor(slot_runs(slots)), pack)
         want = y0.double()
         for t, s in enumerate(slots):
             if s in (1, 2, 4):

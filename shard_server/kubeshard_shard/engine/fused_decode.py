@@ -129,7 +129,7 @@ def build(model: nn.Module, cache: KVCache, decode_kernel, lora) -> FusedStep | 
         return None
     fused = built.FusedDecode(model.rotary.cos_sin, model.model.norm.weight, model.model.norm.eps, attn.num_heads,
                               attn.num_kv_heads, attn.head_dim, cache.block_size, attn.scale)
-    if lora is not None and (lora.native is None or model.model.embed_tokens.weight.dtype != torch.float32):
+    if lora is not None and lora.native is None:
         lora = None  # adapters' deltas only through the modules (the packs have no kernel form)
     row_limits, lora_gemms = [], []
     for i, layer in enumerate(layers):

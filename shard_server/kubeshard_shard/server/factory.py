@@ -124,7 +124,7 @@ def quantize_weights(config: EngineConfig, compute: Compute, model) -> None:
 
 def build_lora(config: EngineConfig, model, compute: Compute) -> AdapterRegistry | None:
     """The LoRA adapter registry (None when LoRA is off), with the start-up adapters loaded."""
-    if not (config.enable_lora or config.lora_adapters or config.lora_root):
+    if not config.lora_on:
         return None
     registry = AdapterRegistry(config.max_loras, config.max_lora_rank, compute.kernels, config.lora_root)
     enable_lora(model, registry)

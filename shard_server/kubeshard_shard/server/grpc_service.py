@@ -290,12 +290,17 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         lora = runner.lora
         try:
             source = lora.runtime_source(request.source)
-            # read off the event loop (reading the files and restacking the buffers take a
-            # while), in a thread that ends: see fresh_thread
-            adapter = await run_in_fresh_thread(lambda: lora.read(request.name, source), "lora-load")
-            if self.served.strategy.shards == 1:
-                await run_in_fresh_thread(lambda: lora.add(adapter), "lora-load")
-            else:  # between two steps, on every rank at once (Strategy.lora_command)
+            single = self.served.strategy.shards == 1
+
+            def read():  # off the event loop (reading the files and restacking the buffers take a
+                # while), in a thread that ends: see fresh_thread; a group adds it in _load_on_group
+                adapter = lora.read(request.name, source)
+                if single:
+                    lora.add(adapter)
+                return adapter
+
+            adapter = await run_in_fresh_thread(read, "lora-load")
+            if not single:  # between two steps, on every rank at once (Strategy.lora_command)
                 await self.engine.call(lambda: self._load_on_group(adapter, source))
         except FileExistsError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))

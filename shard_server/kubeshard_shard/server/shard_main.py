@@ -35,11 +35,10 @@ def engine_fingerprint(config: EngineConfig) -> int:
     """The engine settings every rank of a group must share: what a step computes and
     how (precision, limits, weight quantization, KV pool type, CPU GEMM library, the LoRA
     adapters in their slots)."""
-    lora = (config.enable_lora or bool(config.lora_adapters) or config.lora_root is not None, config.lora_adapters,
-            config.max_loras, config.max_lora_rank)
+    lora = (config.lora_adapters, config.max_loras, config.max_lora_rank) if config.lora_on else ()
     fields = (config.dtype, config.max_input_tokens, config.max_total_tokens, config.block_size,
               config.max_batch_tokens, config.activations.active, config.quantize, config.quantize_group_size,
-              config.kv_cache_dtype, config.cpu_gemm) + (lora if lora[0] else ())
+              config.kv_cache_dtype, config.cpu_gemm) + lora
     return fingerprint(repr(fields).encode())
 
 
