@@ -164,9 +164,14 @@ class StepMasks:
         return mask, rows
 
 
-def apply_masks(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+def apply_masks(logits: torch.Tensor, mask: torch.Tensor, rows: list[int], kernels=None) -> None:
     """Sets the logits of every token a row's grammar forbids to -inf, for all the
-    constrained rows in one call (on the logits' device)."""
+    constrained rows in one call (on the logits' device): the CPU kernels' where they
+    serve (``csrc/grammar_mask.cpp`` says why), else xgrammar's."""
+    if (kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and logits.is_contiguous()):
+        kernels.apply_bitmask_(logits, mask, rows)
+        return
     import xgrammar as xgr
 
     vocab = logits.shape[-1]

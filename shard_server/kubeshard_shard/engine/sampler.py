@@ -117,7 +117,7 @@ class Sampler:
     def __init__(self, eos_ids: frozenset[int] = frozenset(), vocab_size: int = 0, kernels=None) -> None:
         self.eos_ids = tuple(sorted(eos_ids))
         self.masks = StepMasks(vocab_size) if vocab_size else None
-        self.kernels = kernels  # the CPU kernels' module (best_and_lse), or None
+        self.kernels = kernels  # the CPU kernels' module (best_and_lse, apply_masks), or None
 
     def _too_early(self, seq: Sequence) -> list[int]:
         """Token ids a sequence may not sample yet (before min_new_tokens). A grammar
@@ -144,7 +144,7 @@ class Sampler:
         if self.masks is not None:
             filled = self.masks.fill(seqs)
             if filled is not None:
-                apply_masks(logits, *filled)
+                apply_masks(logits, *filled, self.kernels)
         temps = [p.temperature if p.do_sample else 1.0 for p in params]
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, device=logits.device)[:, None]

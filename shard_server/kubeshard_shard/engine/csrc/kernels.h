@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
+#include <vector>
 
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                   at::Tensor context_lens, int64_t block_size, double scale);
@@ -44,6 +45,7 @@ void kv_store(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
               c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
 at::Tensor silu_mul(at::Tensor gate_up);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(at::Tensor logits);
+void apply_bitmask_(at::Tensor logits, at::Tensor mask, const std::vector<int64_t>& rows);
 
 // Raw forms for the fused decode step (float32 activations in its own buffers): the
 // arithmetic of the entry points above, bit for bit, without their argument checks and
