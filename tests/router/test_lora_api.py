@@ -225,47 +225,71 @@ def test_an_adapter_request_goes_only_to_the_replicas_that_serve_it(setup, late_
     assert _refused(late_b) == refused  # and never tried on B (which would refuse it, NOT_FOUND)
 
 
+def _lora_info(shard: ShardProcess) -> list[str]:
+    """The vllm:lora_requests_info lines of the shard's live /metrics."""
+    return [line for line in _engine_metrics(shard).splitlines() if line.startswith("vllm:lora_requests_info{")]
+
+
 def test_two_adapters_in_one_batch_through_the_router(setup, late_b):
     """Router 2 has replica A alone, which serves alpha and beta: streamed requests for both
     (and for the base model) run in its batch at once — A's live /metrics names both
-    running adapters once every stream has its first tokens — and each gets its own
-    adapter's tokens."""
+    running adapters while every stream is open — and each gets its own adapter's tokens."""
     assert "beta" in _adapters_of(setup.a)
     prompt = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555]
-    n = 300  # long enough that none ends while the metrics are read
     names = ("alpha", "beta", "demo", "alpha", "beta")
+
+    def body(name: str, n: int) -> dict:
+        return {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+
+    # 1. five streams as long as the context allows (the tiny model makes 300 tokens in a
+    # fraction of a second: a CI run saw them all end before /metrics was read), held open
+    # after their first text until A's gauge was read; leaving a stream cancels its request
     started = threading.Barrier(len(names) + 1, timeout=120)
     read = threading.Event()
-    texts: dict[int, str] = {}
 
-    def stream(i: int, name: str) -> None:
-        body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+    def hold(name: str) -> None:
+        with httpx.stream("POST", setup.plain.url + "/v1/completions", json=body(name, 4000), headers=NO_CACHE,
+                          timeout=120) as r:
+            # waits inside the loop: leaving it would close the stream (httpx closes the
+            # response with its line iterator) and cancel the request
+            for event in sse_events(r.iter_lines()):
+                assert event != DONE, f"the {name} stream ended before the others began"
+                if event["choices"][0]["text"] and not read.is_set():
+                    started.wait()
+                    read.wait(60)
+                    return
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [pool.submit(hold, name) for name in names]
+        started.wait()  # every stream has its first text: all five are in A's batch
+        both = wait_for(lambda: any('running_lora_adapters="alpha,beta"' in line
+                                    for line in _lora_info(setup.a)), 30)
+        info = _lora_info(setup.a)
+        read.set()
+        for f in futures:
+            f.result()
+    assert both and len(info) == 1 and 'max_lora="4"' in info[0], info
+
+    # 2. the same five at once, to the end: each gets its own adapter's tokens
+    n = 300
+
+    def stream(name: str) -> str:
         text = ""
-        with httpx.stream("POST", setup.plain.url + "/v1/completions", json=body, headers=NO_CACHE,
+        with httpx.stream("POST", setup.plain.url + "/v1/completions", json=body(name, n), headers=NO_CACHE,
                           timeout=120) as r:
             for event in sse_events(r.iter_lines()):
                 if event == DONE:
                     break
                 text += event["choices"][0]["text"]
-                if len(text) > 0 and not read.is_set() and i not in texts:
-                    texts[i] = ""
-                    started.wait()
-                    read.wait(60)
-        texts[i] = text
+        return text
 
     with ThreadPoolExecutor(len(names)) as pool:
-        futures = [pool.submit(stream, i, name) for i, name in enumerate(names)]
-        started.wait()  # every stream has its first text: all five are in A's batch
-        info = [line for line in _engine_metrics(setup.a).splitlines() if line.startswith("vllm:lora_requests_info{")]
-        read.set()
-        for f in futures:
-            f.result()
-    assert len(info) == 1 and 'running_lora_adapters="alpha,beta"' in info[0] and 'max_lora="4"' in info[0], info
+        texts = list(pool.map(stream, names))
     tokenizer = _tokenizer(setup.model_dir)
     want = {name: tokenizer.decode(peft_greedy(setup.model_dir, setup.paths.get(name), prompt, n))
             for name in ("alpha", "beta", "demo")}
-    assert [texts[i] for i in range(len(names))] == [want[name] for name in names]
+    assert texts == [want[name] for name in names]
     assert len(set(want.values())) == 3
 
 
