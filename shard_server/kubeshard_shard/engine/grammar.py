@@ -149,6 +149,7 @@ class StepMasks:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._buffer = torch.empty(0)
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made on the first constrained step
 
     def fill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask [len(seqs), words] int32, constrained row indices), or None."""
@@ -159,8 +160,13 @@ class StepMasks:
         if self._buffer.shape[0] < len(seqs):
             self._buffer = torch.full((max(len(seqs), 2 * self._buffer.shape[0]), words), -1, dtype=torch.int32)
         mask = self._buffer[:len(seqs)]
-        for i in rows:
-            seqs[i].matcher.fill_next_token_bitmask(mask, i)
+        if self._batch is None:
+            import xgrammar as xgr
+
+            # one call for the step's rows (16 cheap masks: 6 us against 14 us one call each);
+            # on one thread: two took 110 us (a pool's start and join per call, 2 cores)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], mask, rows)
         return mask, rows
 
 
