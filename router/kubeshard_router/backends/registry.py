@@ -131,9 +131,10 @@ class Registry:
                              replica.model.name, replica.address, info.model_id, info.revision,
                              info.device_type, info.max_input_tokens, info.max_total_tokens)
                 health = await replica.client.health()
-                if health.serving and not replica.ready:  # what to replay: Redis may know more
+                becoming_ready = health.serving and not replica.ready
+                if becoming_ready:  # what to replay: Redis may know more
                     await self.runtime_adapters.sync(replica.model)
-                if health.serving and not replica.ready and (replica.model.runtime_adapters or not fresh):
+                if becoming_ready and (replica.model.runtime_adapters or not fresh):
                     await self._refresh(replica, replay=True)  # it may have restarted: Info again, adapters replayed
                 elif health.serving and frozenset(health.adapters) != replica.adapters:
                     await self._refresh(replica, replay=False)  # adapters changed (another router, a restart)

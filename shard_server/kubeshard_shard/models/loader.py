@@ -59,7 +59,8 @@ class SafetensorsCheckpoint:
             files = [single]
         else:
             found = sorted(p.name for p in folder.glob("*.bin"))
-            hint = f" (found {', '.join(found)}: PyTorch .bin checkpoints are not supported; convert to safetensors)" if found else ""
+            hint = (f" (found {', '.join(found)}: PyTorch .bin checkpoints are not supported; convert to safetensors)"
+                    if found else "")
             raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json{hint}")
         ckpt = cls(folder, files)
         for _ in ckpt.tensors():  # open every header now: corrupt files fail at start
