@@ -139,10 +139,7 @@ def fill_one_at_a_time(self, seqs):
     rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not rows:
         return None
-    words = (self.vocab_size + 31) // 32
-    if self._buffer.shape[0] < len(seqs):
-        self._buffer = torch.full((max(len(seqs), 2 * self._buffer.shape[0]), words), -1, dtype=torch.int32)
-    mask = self._buffer[:len(seqs)]
+    mask = self.bitmask(len(seqs))
     for i in rows:
         seqs[i].matcher.fill_next_token_bitmask(mask, i)
     return mask, rows

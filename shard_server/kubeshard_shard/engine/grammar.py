@@ -151,15 +151,19 @@ class StepMasks:
         self._buffer = torch.empty(0)
         self._batch = None  # xgrammar's BatchGrammarMatcher, made on the first constrained step
 
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """A bitmask [rows, words] int32 of the step (one buffer, grown as batches grow)."""
+        if self._buffer.shape[0] < rows:
+            words = (self.vocab_size + 31) // 32
+            self._buffer = torch.full((max(rows, 2 * self._buffer.shape[0]), words), -1, dtype=torch.int32)
+        return self._buffer[:rows]
+
     def fill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask [len(seqs), words] int32, constrained row indices), or None."""
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return None
-        words = (self.vocab_size + 31) // 32
-        if self._buffer.shape[0] < len(seqs):
-            self._buffer = torch.full((max(len(seqs), 2 * self._buffer.shape[0]), words), -1, dtype=torch.int32)
-        mask = self._buffer[:len(seqs)]
+        mask = self.bitmask(len(seqs))
         if self._batch is None:
             import xgrammar as xgr
 

@@ -27,7 +27,8 @@ level this CPU runs is loaded.
 the fused layers, each step's argmax and log-sum-exp), or None when it cannot be built;
 ``compute.resolve_compute`` takes the engine's decode kernel (``paged_decode_scaled``) and
 the GEMMs from it and hands them to the model runner and layers, and the sampler takes
-``argmax_logsumexp`` and ``apply_bitmask_`` (a step's grammar masks). ``load()`` is the float32-only ``paged_decode`` alone.
+``argmax_logsumexp`` and ``apply_bitmask_`` (a step's grammar masks). ``load()`` is the
+float32-only ``paged_decode`` alone.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_store", &ks::kv_store, "write K/V rows into the paged cache (quantizing for int8)");
   m.def("silu_mul", &ks::silu_mul, "silu(gate) * up of a fused gate|up projection");
   m.def("argmax_logsumexp", &ks::argmax_logsumexp, "each row's argmax and log-sum-exp (float32 logits)");
-  m.def("apply_bitmask_", &ks::apply_bitmask_, "set the logits a grammar's bitmask forbids to -inf, in place, for the rows");
+  m.def("apply_bitmask_", &ks::apply_bitmask_, "logits a grammar's bitmask forbids set to -inf, in place");
   // module_local: a process may load several builds of this module (a test builds the
   // portable ones beside the native one), and pybind11 registers classes process-wide
   py::class_<ks::LoraPack>(m, "LoraPack", py::module_local(),
