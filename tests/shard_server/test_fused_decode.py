@@ -215,15 +215,11 @@ def test_a_swapped_layer_or_a_hook_gets_no_fused_step(demo_model):
     assert fused_decode.build(model, cache, runner.decode_kernel, None) is not None
 
 
-def test_the_kernel_checks_its_parts_when_built_and_its_inputs_each_step():
+def test_the_kernel_checks_its_parts_when_built_and_its_inputs_each_step(cpu_kernels):
     """The step runs on raw pointers into its own buffers, so what it is given is checked
     where it is given, naming what is wrong: a GEMM whose shape does not fit the model's
     widths, a cache of the wrong shape, a slot or position outside the pool or the table."""
-    from kubeshard_shard.engine import kernels
-
-    built = kernels.module()
-    if built is None:
-        pytest.fail("the CPU kernels did not build here")
+    built = cpu_kernels
     H, heads, kv_heads, D, inter, slots = 64, 4, 2, 16, 96, 32
     cos_sin = torch.randn(2, 40, D)
     fused = built.FusedDecode(cos_sin, torch.ones(H), 1e-6, heads, kv_heads, D, 16, D ** -0.5)

@@ -147,20 +147,10 @@ def test_stacked_buffers_give_each_row_its_adapter_on_a_quantized_base(adapters,
     lora.begin_step(None)
 
 
-@pytest.mark.parametrize("march", [None, "x86-64-v3", "x86-64"])
-def test_the_kernel_gives_each_row_its_adapters_delta_in_every_build(march):
-    """lora_add_ (lora.cpp) against x Aᵀ Bᵀ in float64, in this CPU's build and the
-    portable ones (AVX2 and scalar code): runs of several slots and of a slot the pack
-    lacks, base rows between them, widths that are not multiples of the vector width."""
-    from kubeshard_shard.engine import kernels
-    from kubeshard_shard.hardware import CpuFeatures
-
-    if march is not None:
-        lacks = dict(kernels.LEVELS)[march] - CpuFeatures.detect().flags
-        if lacks:
-            pytest.skip(f"this CPU cannot run a {march} build (it lacks {', '.join(sorted(lacks))})")
-    built = kernels.module() if march is None else kernels.module(march=march)
-    assert built is not None, f"the CPU kernels failed to build ({march or 'native'})"
+def check_lora_add(built) -> None:
+    """lora_add_ (lora.cpp) against x Aᵀ Bᵀ in float64: runs of several slots and of a
+    slot the pack lacks, base rows between them, widths that are not multiples of the
+    vector width."""
     g = torch.Generator().manual_seed(3)
     for K, sizes, R in [(37, [70], 5), (64, [48, 16, 16], 8), (130, [141, 141], 16)]:
         S, n_sub = 4, len(sizes)
@@ -183,13 +173,18 @@ def test_the_kernel_gives_each_row_its_adapters_delta_in_every_build(march):
         assert torch.equal(y[[0, 4, 5, 10]], y0[[0, 4, 5, 10]]), "base rows and slot 3's row are left as they were"
 
 
-def test_the_kernel_names_what_is_wrong_with_its_arguments():
-    """lora_add_ and LoraPack check what they are given (they run on raw pointers)."""
-    from kubeshard_shard.engine import kernels
+def test_the_kernel_gives_each_row_its_adapters_delta(cpu_kernels):
+    check_lora_add(cpu_kernels)
 
-    built = kernels.module()
-    if built is None:
-        pytest.fail("the CPU kernels did not build here")
+
+def test_the_kernel_of_the_portable_builds_gives_each_row_its_adapters_delta(portable_kernels):
+    """The AVX2 and scalar code."""
+    check_lora_add(portable_kernels)
+
+
+def test_the_kernel_names_what_is_wrong_with_its_arguments(cpu_kernels):
+    """lora_add_ and LoraPack check what they are given (they run on raw pointers)."""
+    built = cpu_kernels
     a, bt = torch.randn(2, 2 * 4, 16), [torch.randn(2, 4, 8), torch.randn(2, 4, 6)]
     pack = built.LoraPack(a, bt, [0, 8], [1, 2])
     x, y = torch.randn(3, 16), torch.zeros(3, 14)
