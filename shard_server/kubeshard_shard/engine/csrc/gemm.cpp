@@ -196,6 +196,7 @@ struct QuantX {
   std::vector<float> sum;  // [M, K / 32] exact float sum of each block (int4 minimums)
   std::vector<float> err;  // [M, K / 32] that sum less the sum of the quantized values
   std::vector<float> gsum, gerr;  // the same two per group of G values (int4)
+  std::vector<int8_t> split;      // [M, chunks of four blocks, 256] (XLayout::kSplit)
 
   void group(int64_t M, int64_t K, int64_t G) {
     const int64_t nb = K / 32, ng = K / G, bpg = G / 32;
@@ -214,20 +215,6 @@ struct QuantX {
 struct PairOrder {
   uint8_t from[64];
 };
-
-// The paired layout (int4 on AVX-512, see q4_rows512): [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 |
-// 2p+1: 16-31], the order in which one 512-bit read of the two blocks' packed weights
-// widens (low nibbles, then high).
-static constexpr PairOrder kPairedFrom = [] {
-  PairOrder o{};
-  for (int i = 0; i < 16; ++i) {
-    o.from[i] = i;
-    o.from[16 + i] = 32 + i;
-    o.from[32 + i] = 16 + i;
-    o.from[48 + i] = 48 + i;
-  }
-  return o;
-}();
 
 // The quad layout (int4 on AVX2 without AVX-512, see q4_row): four vectors of 16,
 // [2p: 0 2 .. 14 | 2p+1: 0 2 .. 14], [16 18 .. 30 | ...], [1 3 .. 15 | ...],
@@ -256,7 +243,33 @@ static void reorder_pairs(int16_t* q, int64_t M, int64_t K, const PairOrder& ord
     }
 }
 
-enum class XLayout { kInOrder, kPaired, kQuad };
+// The split layout (int4 on AVX-512, see q4_rows512): each quantized value as its high
+// byte h (signed) and low byte l (unsigned), q = 256 h + l, so that a byte dot product
+// (vpdpbusd: unsigned by signed bytes) multiplies the int4 weights, bytes of 0..15
+// straight from their nibbles, by each without widening them. Per chunk of four blocks,
+// four vectors of 64 bytes: h of values 0-15 of the four blocks (16 bytes a block, in
+// order), h of values 16-31, l of values 0-15, l of values 16-31: the order of the low
+// and the high nibbles of the chunk's 64 packed bytes. A last chunk of fewer blocks is
+// padded with zeros.
+constexpr int64_t kSplitChunk = 256;  // bytes of x a chunk
+
+static void split_bytes(QuantX& qx, int64_t M, int64_t K) {
+  const int64_t nb = K / 32, chunks = (nb + 3) / 4;
+  qx.split.assign(M * chunks * kSplitChunk, 0);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int16_t* q = qx.q.data() + r * K + b * 32;
+      int8_t* out = qx.split.data() + (r * chunks + b / 4) * kSplitChunk + (b % 4) * 16;
+      for (int i = 0; i < 16; ++i) {
+        out[i] = static_cast<int8_t>(q[i] >> 8);
+        out[64 + i] = static_cast<int8_t>(q[16 + i] >> 8);
+        out[128 + i] = static_cast<int8_t>(q[i] & 0xFF);
+        out[192 + i] = static_cast<int8_t>(q[16 + i] & 0xFF);
+      }
+    }
+}
+
+enum class XLayout { kInOrder, kSplit, kQuad };
 
 // Into `out`, whose vectors keep their capacity from call to call (each GEMM's caller
 // passes its thread's, see scratch_x).
@@ -311,7 +324,7 @@ static void quantize_x(QuantX& out, const float* x, int64_t M, int64_t K, XLayou
     out.sum[r] = s;
     out.err[r] = s - d * float(qs);
   }
-  if (layout == XLayout::kPaired) reorder_pairs(out.q.data(), M, K, kPairedFrom);
+  if (layout == XLayout::kSplit) split_bytes(out, M, K);
   if (layout == XLayout::kQuad) reorder_pairs(out.q.data(), M, K, kQuadFrom);
 }
 
@@ -503,6 +516,19 @@ static inline __m256 block_scales(const uint16_t* scales, int64_t b0, int shift)
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_permutevar8x32_ps(s, _mm256_srli_epi32(lane, std::min(shift, 3)));
 }
+
+#if defined(KS_AVX512)
+// The same for the first `count` (1-8) of the eight blocks, the rest of a row: reads the
+// groups those lie in with a masked load; the lanes past them are the last group's or 0.
+static inline __m256 block_scales(const uint16_t* scales, int64_t b0, int64_t count, int shift) {
+  if (count == 8) return block_scales(scales, b0, shift);
+  const int64_t groups = ((b0 + count - 1) >> shift) - (b0 >> shift) + 1;
+  const __m256 s = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8(0xFF >> (8 - groups)), scales + (b0 >> shift)));
+  if (shift == 0) return s;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_permutevar8x32_ps(s, _mm256_srli_epi32(lane, std::min(shift, 3)));
+}
+#endif
 
 // One row of W against MR rows of x (from row m0), its blocks read in order.
 //
@@ -711,13 +737,23 @@ static int group_shift(int64_t G) {
 #endif
 
 #if defined(KS_AVX512)
-// acc + the products of 32 pairs of int16 (w, x) summed in pairs: 16 int32 lanes.
-static inline __m512i dot64(__m512i acc, __m512i w, const int16_t* x) {
-  const __m512i xv = _mm512_loadu_si512(x);
+// The dot of a chunk's four int4 blocks (their low nibbles `lo`, values 0-15 of each
+// block, and high nibbles `hi`, values 16-31, as bytes) with one row of x in the split
+// layout: 16 int32 lanes, four a block (128-bit lane j: block j), each the exact sum of
+// eight products w q = w (256 h + l). Without VNNI the byte products go through
+// vpmaddubsw, whose 16-bit sums cannot saturate here (at most 4 * 255 * 15 in magnitude),
+// and come out the same integers.
+static inline __m512i q4_chunk_dot(__m512i lo, __m512i hi, const int8_t* x) {
+  const __m512i ha = _mm512_loadu_si512(x), hb = _mm512_loadu_si512(x + 64);
+  const __m512i la = _mm512_loadu_si512(x + 128), lb = _mm512_loadu_si512(x + 192);
 #if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, w, xv);
+  __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ha);
+  t = _mm512_slli_epi32(_mm512_dpbusd_epi32(t, hi, hb), 8);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t, la, lo), lb, hi);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, xv));
+  const __m512i h = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ha), _mm512_maddubs_epi16(hi, hb));
+  const __m512i l = _mm512_add_epi16(_mm512_maddubs_epi16(la, lo), _mm512_maddubs_epi16(lb, hi));
+  return _mm512_add_epi32(_mm512_madd_epi16(h, _mm512_set1_epi16(256)), _mm512_madd_epi16(l, _mm512_set1_epi16(1)));
 #endif
 }
 
@@ -735,31 +771,43 @@ static inline void reduce_two(__m512 a, __m512 b, float& sa, float& sb) {
   sb = _mm_cvtss_f32(_mm_shuffle_ps(t, t, 1));
 }
 
-// NR (1 or 2) int4 rows of W against MR rows of x (from row m0) in 512-bit vectors, two
-// blocks at a time: their 32 packed bytes widen to 32 int16 (both blocks' bytes), whose
-// low nibbles are values 0-15 of each block and high nibbles values 16-31; x is in the
-// paired layout (kPairedFrom), so two multiply-adds give 16 lanes, eight a block, which
-// are converted and scaled (lanes 0-7 by the first block's x and W scales, 8-15 by the
-// second's) into one float accumulator. The minimums' terms (q4_min_terms) are summed
-// block by block beside them, and a row's lanes are summed once, at its end, two rows
-// in one tree (reduce_two). Two W rows at a time (one after the other in memory, so
-// still one stream) give each step two independent multiply-add chains and halve the
-// horizontal sums: at the default model's K = 576 (18 blocks a row) a row's end, where
-// its chains and sums finish, took about as many samples as its blocks (perf). A last
-// odd block goes through the 256-bit path. A row's bits depend on the row alone,
-// whatever MR, NR or its partner. A pass over the default model's int4 layers
-// (bench/results/quant-kernels.md, 2026-12-06, Xeon, 2 cores, `--against 7eb5458`, the
-// 256-bit eight-block path): 1.21x at one row of x, 1.16x at two, 1.14x at four, 1.08x
-// at eight.
+// NR (1 or 2) int4 rows of W against MR rows of x (from row m0) in 512-bit vectors, four
+// blocks (a chunk, 64 packed bytes) at a time: the bytes masked give the four blocks'
+// values 0-15, shifted and masked their values 16-31, and x in the split layout
+// (kSplitChunk) multiplies them as bytes (q4_chunk_dot): 16 lanes, four a block, which
+// are converted and scaled (each 128-bit lane by its block's x and W scales) into one
+// float accumulator. The minimums' terms (q4_min_terms) are summed eight blocks at a
+// time beside them, and a row's lanes are summed once, at its end, two rows in one tree
+// (reduce_two). Two W rows at a time (one after the other in memory, so still one
+// stream) give each step two independent chains and halve the horizontal sums. A last
+// chunk of fewer than four blocks is read with a byte mask (x is zero there). A row's
+// bits depend on the row alone, whatever MR, NR or its partner.
+//
+// Why bytes, not x in int16 as the other integer kernels take it: widening the packed
+// weights to int16 (vpmovzxbw, a shuffle across the register's halves) and two int16
+// products a lane made the int4 kernel bound by its arithmetic on AMD Zen 4, which runs
+// a 512-bit instruction as two 256-bit halves (2026-12-07, EPYC, AVX-512 VNNI, 2 cores: a
+// pass over the default model's int4 layers at one row ran at 17 GB/s of weights, the
+// int8 kernel at 30, copy 45-54). Here a chunk of 128 weights costs three mask and shift
+// instructions and four byte dot products (with a shift) a row of x, where the paired
+// int16 layout this replaced took two widenings, two masks, two shifts, four int16 dot
+// products and twice the conversions and scalings. The integer sums are the same exact
+// values; only which lanes they fall in, and so the float rounding, changed. With the
+// lambdas below inlined (KS_INLINE: out of line, they kept the accumulators in memory)
+// and the rest of a row in vectors (the last chunk masked, its minimums' terms with the
+// others): a pass over the default model's int4 layers against the kernel before, side
+// by side (bench/results/quant-kernels-epyc-zen4.md, 2026-12-07, EPYC Zen 4, 2 cores):
+// 1.12x at one row of x, 1.31x at two, 1.26x at four, 1.22x at eight (the unchanged int8
+// kernel read 0.98-1.23x in the same run: this machine's noise). Not measured on Intel.
 template <int MR, int NR, bool kOneGroup>
 static void q4_rows512(const QuantX& qx, int64_t m0, int64_t K, const Int4Rows (&rows)[NR], int shift,
                        float* const (&y)[NR], int64_t ldy, const float* const (&bias)[NR]) {
-  const int64_t nb = K / 32;
-  const int16_t* xq = qx.q.data() + m0 * K;
+  const int64_t nb = K / 32, chunks = (nb + 3) / 4;
+  const int8_t* xs8 = qx.split.data() + m0 * chunks * kSplitChunk;
   const float* dx = qx.d.data() + m0 * nb;
   const float* xsum = qx.sum.data() + m0 * nb;
   const float* xerr = qx.err.data() + m0 * nb;
-  const __m512i low = _mm512_set1_epi16(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[NR][MR];
   __m256 mins[NR][MR];  // per block of x: m times its exact sum, 8 d times that less the quantized sum's
   for (int r = 0; r < NR; ++r)
@@ -767,54 +815,47 @@ static void q4_rows512(const QuantX& qx, int64_t m0, int64_t K, const Int4Rows (
       acc[r][m] = _mm512_setzero_ps();
       mins[r][m] = _mm256_setzero_ps();
     }
-  // blocks b, b + 1 of row r against every row of x; scale(m): their 16 lanes' scales
-  auto add_pair = [&](int r, int64_t b, auto scale) {
+  // the chunk of blocks b .. b + 3 of row r (`count` of them, 1-4) against every row of
+  // x; scale(m): its 16 lanes' scales
+  auto add_chunk = [&](int r, int64_t b, int64_t count, auto scale) KS_INLINE {
     const uint8_t* w = rows[r].block(0, b);
-    if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w) + Int4Rows::kAhead, _MM_HINT_T0);
-    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + Int4Rows::kAhead, _MM_HINT_T0);
+    const __m512i raw = count == 4 ? _mm512_loadu_si512(w)
+                                   : _mm512_maskz_loadu_epi8(~0ULL >> (64 - 16 * count), w);
+    const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
     for (int m = 0; m < MR; ++m) {
-      const int16_t* x = xq + m * K + b * 32;
-      const __m512i dot = dot64(dot64(_mm512_setzero_si512(), lo, x), hi, x + 32);
+      const __m512i dot = q4_chunk_dot(lo, hi, xs8 + (m * chunks + b / 4) * kSplitChunk);
       acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale(m), acc[r][m]);
     }
   };
-  int64_t b = 0;
-  // eight blocks at a time: their scales computed once (x's times W's), each pair's
-  // sixteen picked from them by one permute
-  for (; b + 8 <= nb; b += 8) {
+  // eight blocks at a time (the last time `count`, 1-8, the rest of the row): their scales
+  // computed once (x's times W's), each chunk's sixteen picked from them by one permute;
+  // past the row's end the masked loads read zeros
+  const __m512i first4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i last4 = _mm512_add_epi32(first4, _mm512_set1_epi32(4));
+  auto add_eight = [&](int64_t b, int64_t count) KS_INLINE {
+    const __mmask8 in = __mmask8(0xFF >> (8 - count));
+    auto blocks = [&](const float* v) { return count == 8 ? _mm256_loadu_ps(v) : _mm256_maskz_loadu_ps(in, v); };
     __m512 s8[NR][MR];
     for (int r = 0; r < NR; ++r) {
-      const __m256 ws = kOneGroup ? _mm256_set1_ps(1.f) : block_scales(rows[r].scales, b, shift);
-      for (int m = 0; m < MR; ++m)
-        s8[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(dx + m * nb + b), ws));
+      const __m256 ws = kOneGroup ? _mm256_set1_ps(1.f) : block_scales(rows[r].scales, b, count, shift);
+      for (int m = 0; m < MR; ++m) s8[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(blocks(dx + m * nb + b), ws));
       if constexpr (!kOneGroup) {
-        const __m256 wm = block_scales(rows[r].mins, b, shift), d8 = _mm256_mul_ps(ws, _mm256_set1_ps(8.f));
+        const __m256 wm = block_scales(rows[r].mins, b, count, shift), d8 = _mm256_mul_ps(ws, _mm256_set1_ps(8.f));
         for (int m = 0; m < MR; ++m) {
-          mins[r][m] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xsum + m * nb + b), mins[r][m]);
-          mins[r][m] = _mm256_fmadd_ps(d8, _mm256_loadu_ps(xerr + m * nb + b), mins[r][m]);
+          mins[r][m] = _mm256_fmadd_ps(wm, blocks(xsum + m * nb + b), mins[r][m]);
+          mins[r][m] = _mm256_fmadd_ps(d8, blocks(xerr + m * nb + b), mins[r][m]);
         }
       }
     }
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m512i pick = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
-                                            2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
-                                            2 * p);
-      for (int r = 0; r < NR; ++r)
-        add_pair(r, b + 2 * p, [&](int m) { return _mm512_permutexvar_ps(pick, s8[r][m]); });
-    }
-  }
-  for (; b + 2 <= nb; b += 2)
     for (int r = 0; r < NR; ++r) {
-      const float w0 = kOneGroup ? 1.f : rows[r].scale(0, b >> shift);
-      const float w1 = kOneGroup ? 1.f : rows[r].scale(0, (b + 1) >> shift);
-      add_pair(r, b, [&](int m) {  // (insertf64x4: AVX-512 F, where insertf32x8 needs DQ)
-        const __m512d first = _mm512_castps_pd(_mm512_set1_ps(dx[m * nb + b] * w0));
-        const __m256d second = _mm256_castps_pd(_mm256_set1_ps(dx[m * nb + b + 1] * w1));
-        return _mm512_castpd_ps(_mm512_insertf64x4(first, second, 1));
-      });
+      add_chunk(r, b, std::min<int64_t>(count, 4), [&](int m) { return _mm512_permutexvar_ps(first4, s8[r][m]); });
+      if (count > 4) add_chunk(r, b + 4, count - 4, [&](int m) { return _mm512_permutexvar_ps(last4, s8[r][m]); });
     }
+  };
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) add_eight(b, 8);
+  if (b < nb) add_eight(b, nb - b);
   float sums[NR][MR];
   for (int m = 0; m < MR; ++m) {
     __m512 v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -825,48 +866,32 @@ static void q4_rows512(const QuantX& qx, int64_t m0, int64_t K, const Int4Rows (
   }
   for (int r = 0; r < NR; ++r) {
     const Int4Rows& row = rows[r];
-    float odd[MR] = {};
-    if (b < nb) {  // the last odd block, in the plain layout
-      __m256i wa, wb;
-      read_block(row, b, wa, wb);
-      const float ws = kOneGroup ? 1.f : row.scale(0, b >> shift);
-      for (int m = 0; m < MR; ++m)
-        odd[m] = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot32(wa, wb, xq + m * K + b * 32)),
-                                       _mm256_set1_ps(dx[m * nb + b] * ws)));
-    }
-    // the minimums' terms of the blocks after the last eight (or of the one group)
-    float tail[MR] = {};
-    if constexpr (kOneGroup) {
-      for (int m = 0; m < MR; ++m) tail[m] = row.min_terms(0, qx, m0 + m);
-    } else {
-      for (int64_t t = nb & ~int64_t(7); t < nb; ++t) {
-        const float d = row.scale(0, t >> shift), mn = fp16_to_f32(row.mins[t >> shift]);
-        for (int m = 0; m < MR; ++m) tail[m] += mn * xsum[m * nb + t] + 8.f * d * xerr[m * nb + t];
-      }
-    }
     for (int m = 0; m < MR; ++m) {
-      float s = sums[r][m] + odd[m];
-      if constexpr (kOneGroup) s *= row.scale(0, 0);
-      y[r][m * ldy] = s + tail[m] + (bias[r] ? *bias[r] : 0.f);
+      float s = sums[r][m];
+      if constexpr (kOneGroup) s = std::fma(s, row.scale(0, 0), row.min_terms(0, qx, m0 + m));
+      y[r][m * ldy] = s + (bias[r] ? *bias[r] : 0.f);
     }
   }
 }
 #endif
 
 #if defined(KS_AVX512)
-// Rows m .. m + mr - 1 of x (mr = min(4, M - m)) against NR rows of W.
+// Rows m and m + 1 of x (m alone when it is the last) against NR rows of W. Two rows of x
+// at most: four by two W rows keep 16 vectors of accumulators and scales live, more than
+// the registers hold (it ran slower than the kernel before); four rows of x by one W row
+// timed the same as two by two within the noise (a pass over the default model's int4
+// layers at four and eight rows of x, 2026-12-07, EPYC Zen 4, 2 cores).
 template <int NR>
 static int64_t q4_step512(const QuantX& qx, int64_t m, int64_t M, int64_t K, const Int4Rows (&rows)[NR], int shift,
                           bool one_group, float* const (&y)[NR], int64_t ldy, const float* const (&bias)[NR]) {
-  const int64_t left = M - m;
-#define KS_Q4(mr)                                                                                     \
-  (one_group ? q4_rows512<mr, NR, true>(qx, m, K, rows, shift, y, ldy, bias)                          \
-             : q4_rows512<mr, NR, false>(qx, m, K, rows, shift, y, ldy, bias)), mr
-  if (left >= 4) return KS_Q4(4);
-  if (left == 3) return KS_Q4(3);
-  if (left == 2) return KS_Q4(2);
-  return KS_Q4(1);
-#undef KS_Q4
+  if (M - m >= 2) {
+    one_group ? q4_rows512<2, NR, true>(qx, m, K, rows, shift, y, ldy, bias)
+              : q4_rows512<2, NR, false>(qx, m, K, rows, shift, y, ldy, bias);
+    return 2;
+  }
+  one_group ? q4_rows512<1, NR, true>(qx, m, K, rows, shift, y, ldy, bias)
+            : q4_rows512<1, NR, false>(qx, m, K, rows, shift, y, ldy, bias);
+  return 1;
 }
 
 // The int4 GEMM on AVX-512: W's rows two at a time (q4_rows512), a thread's last odd
@@ -966,8 +991,8 @@ at::Tensor gemm_q8(at::Tensor x, at::Tensor w, at::Tensor scales, int64_t G,
 void gemm_q4_into(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* scales,
                   const uint16_t* mins, int64_t N, int64_t G, const float* b, float* y) {
 #if defined(KS_AVX512)
-  const bool paired = G == K || group_shift(G) >= 0;  // q4_rows512 serves (quant_gemm)
-  const XLayout layout = paired ? XLayout::kPaired : XLayout::kInOrder;
+  const bool split = G == K || group_shift(G) >= 0;  // q4_rows512 serves (quant_gemm)
+  const XLayout layout = split ? XLayout::kSplit : XLayout::kInOrder;
 #elif defined(KS_AVX2)
   // q4_row serves; else quant_tile, which reads x in order
   const XLayout layout = G == K || group_shift(G) >= 0 ? XLayout::kQuad : XLayout::kInOrder;

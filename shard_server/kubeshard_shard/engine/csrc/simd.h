@@ -20,6 +20,10 @@
 #if defined(KS_AVX2) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
 #define KS_VNNI256 1
 #endif
+// A lambda (or function) the compiler must inline: one it leaves out of line, called from
+// two places, keeps the accumulator arrays it captures by reference in memory, so that
+// every multiply-add goes through a store and a load.
+#define KS_INLINE __attribute__((always_inline))
 
 namespace ks {
 
