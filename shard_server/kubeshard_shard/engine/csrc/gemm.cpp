@@ -494,6 +494,13 @@ static void quant_tile(const QuantX& qx, int64_t m0, int64_t K, const Rows& rows
 }
 
 #if defined(KS_AVX2)
+// Eight blocks' values from their groups' (lane g: group g), groups 1 << shift blocks each.
+static inline __m256 group_per_block(__m256 s, int shift) {
+  if (shift == 0) return s;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_permutevar8x32_ps(s, _mm256_srli_epi32(lane, std::min(shift, 3)));
+}
+
 // The float16 scales of blocks b0 .. b0 + 7 of a row as float32, b0 a multiple of 8 and
 // the row's groups 1 << shift blocks each: eight groups when shift is 0, four when 1, ...
 // Reads just the groups the eight blocks lie in (never past the row's last).
@@ -511,10 +518,7 @@ static inline __m256 block_scales(const uint16_t* scales, int64_t b0, int shift)
   } else {
     h = _mm_cvtsi32_si128(g[0]);
   }
-  const __m256 s = _mm256_cvtph_ps(h);
-  if (shift == 0) return s;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_permutevar8x32_ps(s, _mm256_srli_epi32(lane, std::min(shift, 3)));
+  return group_per_block(_mm256_cvtph_ps(h), shift);
 }
 
 #if defined(KS_AVX512)
@@ -523,10 +527,8 @@ static inline __m256 block_scales(const uint16_t* scales, int64_t b0, int shift)
 static inline __m256 block_scales(const uint16_t* scales, int64_t b0, int64_t count, int shift) {
   if (count == 8) return block_scales(scales, b0, shift);
   const int64_t groups = ((b0 + count - 1) >> shift) - (b0 >> shift) + 1;
-  const __m256 s = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8(0xFF >> (8 - groups)), scales + (b0 >> shift)));
-  if (shift == 0) return s;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_permutevar8x32_ps(s, _mm256_srli_epi32(lane, std::min(shift, 3)));
+  return group_per_block(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8(0xFF >> (8 - groups)), scales + (b0 >> shift))),
+                         shift);
 }
 #endif
 
@@ -787,8 +789,8 @@ static inline void reduce_two(__m512 a, __m512 b, float& sa, float& sb) {
 // weights to int16 (vpmovzxbw, a shuffle across the register's halves) and two int16
 // products a lane made the int4 kernel bound by its arithmetic on AMD Zen 4, which runs
 // a 512-bit instruction as two 256-bit halves (2026-12-07, EPYC, AVX-512 VNNI, 2 cores: a
-// pass over the default model's int4 layers at one row ran at 17 GB/s of weights, the
-// int8 kernel at 30, copy 45-54). Here a chunk of 128 weights costs three mask and shift
+// pass over the default model's int4 layers at one row ran at 18 GB/s of weights, the
+// int8 kernel at 31, copy 45-54). Here a chunk of 128 weights costs three mask and shift
 // instructions and four byte dot products (with a shift) a row of x, where the paired
 // int16 layout this replaced took two widenings, two masks, two shifts, four int16 dot
 // products and twice the conversions and scalings. The integer sums are the same exact
