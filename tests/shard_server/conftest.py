@@ -33,12 +33,6 @@ def portable_kernels(request):
     """The CPU kernels built for an AVX2-only CPU and for plain x86-64 (other vector widths
     than this CPU's own: 8 floats, not 16 with AVX-512; SSE pairs on x86-64); skipped
     only where this CPU cannot run the build, failed where it does not build."""
-    from kubeshard_shard.engine import kernels
-    from kubeshard_shard.hardware import CpuFeatures
+    from tests.support.cpu_kernels import kernels_for_level
 
-    lacks = dict(kernels.LEVELS)[request.param] - CpuFeatures.detect().flags
-    if lacks:
-        pytest.skip(f"this CPU cannot run a {request.param} build (it lacks {', '.join(sorted(lacks))})")
-    built = kernels.module(march=request.param)
-    assert built is not None, f"the CPU kernels failed to build for -march={request.param}"
-    return built
+    return kernels_for_level(request.param)

@@ -20,7 +20,7 @@ from kubeshard_shard.config import EngineConfig
 from kubeshard_shard.models import quant
 
 from tests.support.cpu_kernels import (F32_SHAPES, INT4_GROUPS, INT8_GROUPS, check_float32_kernel,
-                                       check_int4_kernel, check_int8_kernel)
+                                       check_int4_kernel, check_int8_kernel, kernels_for_level)
 from tests.support.engine import (build_engine, greedy, prefill_logits, random_prompts, relative_rms,
                                   run_to_completion)
 
@@ -54,14 +54,7 @@ def test_gemm_kernels_of_the_portable_builds_are_exact(march):
     own build): AVX-512 without VNNI, AVX2 with and without it, and plain x86-64 are each
     other code in the float32 and integer tiles, checked here too (the v4 level with VNNI
     is what the tests above check on a CPU with AVX-512 VNNI)."""
-    from kubeshard_shard.engine import kernels
-    from kubeshard_shard.hardware import CpuFeatures
-
-    lacks = dict(kernels.LEVELS)[march] - CpuFeatures.detect().flags
-    if lacks:
-        pytest.skip(f"this CPU cannot run a {march} build (it lacks {', '.join(sorted(lacks))})")
-    built = kernels.module(march=march)
-    assert built is not None, f"the CPU kernels failed to build for -march={march}"
+    built = kernels_for_level(march)
     for m, n, kdim in F32_SHAPES:
         check_float32_kernel(built, m, n, kdim)
     for args in INT8_GROUPS:  # the integer tiles differ by build too (AVX2 and VNNI, or scalar)

@@ -6,6 +6,7 @@ int16 per 32 values); every row also against that row multiplied alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +25,20 @@ INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64
 INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES
                for group, symmetric in ((32, False), (32, True), (64, False), (128, False), (256, True))
                if kdim % group == 0]
+
+
+def kernels_for_level(level: str):
+    """The CPU kernels built for the x86-64 ``level`` (one of ``kernels.LEVELS``):
+    skipped only where this CPU cannot run that build, failed where it does not build."""
+    from kubeshard_shard.engine import kernels
+    from kubeshard_shard.hardware import CpuFeatures
+
+    lacks = dict(kernels.LEVELS)[level] - CpuFeatures.detect().flags
+    if lacks:
+        pytest.skip(f"this CPU cannot run a {level} build (it lacks {', '.join(sorted(lacks))})")
+    built = kernels.module(march=level)
+    assert built is not None, f"the CPU kernels failed to build for -march={level}"
+    return built
 
 
 def quantize_x(x: torch.Tensor):
