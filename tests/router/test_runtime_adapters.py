@@ -61,6 +61,28 @@ async def test_a_change_while_redis_is_down_is_kept_and_written_later(redis_url,
     assert await other.sync(other_model) == {"gamma": "/lora/gamma"}
 
 
+async def test_the_probes_flush_writes_a_missed_change_with_what_a_restart_lost(redis_url, redis_server, caplog):
+    """A change Redis missed reaches it without a sync (the registry's probe calls flush
+    each round), and when Redis lost the hash meanwhile, all this router knows goes back."""
+    one, model = _router(redis_url)
+    await one.loaded(model, "alpha", "/lora/alpha")
+    redis_server.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kubeshard.router.backends"):
+            await one.loaded(model, "beta", "/lora/beta")
+            await one.flush(model)  # still down: kept, and said once
+        assert caplog.text.count("kept in this router's memory only") == 1
+    finally:
+        redis_server.start()
+    await one.flush(model)
+    assert _stored(redis_url) == {"alpha": "/lora/alpha", "beta": "/lora/beta", "": ""}
+    other, other_model = _router(redis_url)
+    assert await other.sync(other_model) == {"alpha": "/lora/alpha", "beta": "/lora/beta"}
+    await other.unloaded(other_model, "alpha")
+    await one.flush(model)  # nothing missed: reads nothing, writes nothing back
+    assert _stored(redis_url) == {"beta": "/lora/beta", "": ""}
+
+
 async def test_a_router_writes_back_what_a_redis_that_lost_its_data_forgot(redis_url, redis_server):
     one, model = _router(redis_url)
     await one.loaded(model, "alpha", "/lora/alpha")

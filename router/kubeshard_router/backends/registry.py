@@ -131,6 +131,7 @@ class Registry:
                              replica.model.name, replica.address, info.model_id, info.revision,
                              info.device_type, info.max_input_tokens, info.max_total_tokens)
                 health = await replica.client.health()
+                await self.runtime_adapters.flush(replica.model)  # a load or unload Redis missed
                 becoming_ready = health.serving and not replica.ready
                 if becoming_ready:  # what to replay: Redis may know more
                     await self.runtime_adapters.sync(replica.model)

@@ -11,7 +11,8 @@ hash with it.
 
 When Redis answers, its hash is the truth (another router may have unloaded an
 adapter); a change made while it did not is kept in this router's memory and written
-when it answers again. The hash keeps one more field, "" (no adapter has an empty name),
+when it answers again (the registry's probe tries each round, ``flush``: the load or
+unload answered 200 already, and no other router would hear of it otherwise). The hash keeps one more field, "" (no adapter has an empty name),
 from its first write on, so that it exists even when every adapter was unloaded: a hash
 that is missing means a Redis that lost its data (a restart without persistence), and
 a router then writes what it has in memory back.
@@ -65,6 +66,12 @@ class RuntimeAdapters:
         model.runtime_adapters = {name.decode(): path.decode() for name, path in stored.items() if name}
         return model.runtime_adapters
 
+    async def flush(self, model: ModelState) -> None:
+        """Writes the changes Redis missed, if there are any (without a new warning when
+        it still does not answer)."""
+        if self._unwritten.get(model.name):
+            await self._write(model, {})
+
     async def _write(self, model: ModelState, changes: dict[str, Optional[str]]) -> bool:
         """Writes ``changes`` and any earlier ones Redis missed; False when it did not
         answer (they wait for the next try)."""
@@ -75,22 +82,29 @@ class RuntimeAdapters:
         if not pending:
             return True
         key = adapters_key(model.name)
-        added = {name: path for name, path in pending.items() if path is not None}
+        writing = dict(pending)  # a change made while this write waits on Redis stays pending
+        added = {name: path for name, path in writing.items() if path is not None}
         added[EXISTS] = ""
-        removed = [name for name, path in pending.items() if path is None]
+        removed = [name for name, path in writing.items() if path is None]
 
         async def write(client) -> None:
             async with client.pipeline(transaction=True) as pipe:
+                pipe.exists(key)
                 pipe.hset(key, mapping=added)
                 if removed:
                     pipe.hdel(key, *removed)
-                await pipe.execute()
+                existed = (await pipe.execute())[0]
+            if not existed:  # never written, or lost while the changes waited: all this router has
+                await client.hset(key, mapping={**model.runtime_adapters, EXISTS: ""})
 
         try:
             await self.store.run("lora_write", write)
         except StoreUnavailable as exc:
-            log.warning("model %s: runtime LoRA adapters %s kept in this router's memory only until Redis "
-                        "answers (%s)", model.name, sorted(pending), exc)
+            if changes:
+                log.warning("model %s: runtime LoRA adapters %s kept in this router's memory only until Redis "
+                            "answers (%s)", model.name, sorted(pending), exc)
             return False
-        pending.clear()
+        for name, path in writing.items():
+            if name in pending and pending[name] == path:
+                del pending[name]
         return True
