@@ -83,6 +83,35 @@ async def test_the_probes_flush_writes_a_missed_change_with_what_a_restart_lost(
     assert _stored(redis_url) == {"beta": "/lora/beta", "": ""}
 
 
+class _UnloadDuringRead(RedisStore):
+    """The real store, but the answer to the first read of the hash reaches the caller
+    only after ``book`` unloaded ``name`` (whose write Redis took after the read): the
+    interleaving of a probe's sync and an unload through the API."""
+
+    def __init__(self, url: str, name: str) -> None:
+        super().__init__(url, timeout_s=1.0, retry_s=0.0)
+        self.name, self.book, self.model, self.reads = name, None, None, 0
+
+    async def run(self, op, fn, timeout_s=None):
+        answer = await super().run(op, fn, timeout_s)
+        if op == "lora_read":
+            self.reads += 1
+            if self.reads == 1:
+                await self.book.unloaded(self.model, self.name)
+        return answer
+
+
+async def test_a_read_that_an_unload_overtook_is_read_again(redis_url):
+    store = _UnloadDuringRead(redis_url, "alpha")
+    book, model = RuntimeAdapters(store), ModelState("demo", CONFIG)
+    store.book, store.model = book, model
+    await book.loaded(model, "alpha", "/lora/alpha")
+    await book.loaded(model, "beta", "/lora/beta")
+    assert await book.sync(model) == {"beta": "/lora/beta"}  # not alpha again, from the stale answer
+    assert store.reads == 2
+    assert _stored(redis_url) == {"beta": "/lora/beta", "": ""}
+
+
 async def test_a_router_writes_back_what_a_redis_that_lost_its_data_forgot(redis_url, redis_server):
     one, model = _router(redis_url)
     await one.loaded(model, "alpha", "/lora/alpha")

@@ -41,13 +41,18 @@ class RuntimeAdapters:
         self.store = store
         # per model, the changes Redis has not taken yet: name -> folder, or None (unloaded)
         self._unwritten: dict[str, dict[str, Optional[str]]] = {}
+        # per model, how many loads and unloads this router has made (a read of the hash
+        # that one overtook is stale)
+        self._changes: dict[str, int] = {}
 
     async def loaded(self, model: ModelState, name: str, path: str) -> None:
         model.runtime_adapters[name] = path
+        self._changes[model.name] = self._changes.get(model.name, 0) + 1
         await self._write(model, {name: path})
 
     async def unloaded(self, model: ModelState, name: str) -> None:
         model.runtime_adapters.pop(name, None)
+        self._changes[model.name] = self._changes.get(model.name, 0) + 1
         await self._write(model, {name: None})
 
     async def sync(self, model: ModelState) -> dict[str, str]:
@@ -56,9 +61,17 @@ class RuntimeAdapters:
         if self.store is None or not await self._write(model, {}):
             return model.runtime_adapters
         key = adapters_key(model.name)
-        try:
-            stored = await self.store.run("lora_read", lambda client: client.hgetall(key))
-        except StoreUnavailable:
+        for _ in range(3):
+            changes = self._changes.get(model.name, 0)
+            try:
+                stored = await self.store.run("lora_read", lambda client: client.hgetall(key))
+            except StoreUnavailable:
+                return model.runtime_adapters
+            if self._changes.get(model.name, 0) == changes:
+                break
+            # a load or unload here while the read was out (Redis may have answered before
+            # its write): read again, lest the replicas get back an adapter just unloaded
+        else:
             return model.runtime_adapters
         if not stored:  # never written, or lost: this router's memory is all there is
             await self._write(model, dict(model.runtime_adapters))
