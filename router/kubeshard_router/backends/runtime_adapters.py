@@ -12,10 +12,11 @@ hash with it.
 When Redis answers, its hash is the truth (another router may have unloaded an
 adapter); a change made while it did not is kept in this router's memory and written
 when it answers again (the registry's probe tries each round, ``flush``: the load or
-unload answered 200 already, and no other router would hear of it otherwise). The hash keeps one more field, "" (no adapter has an empty name),
-from its first write on, so that it exists even when every adapter was unloaded: a hash
-that is missing means a Redis that lost its data (a restart without persistence), and
-a router then writes what it has in memory back.
+unload answered 200 already, and no other router would hear of it otherwise). The hash
+keeps one more field, "" (no adapter has an empty name), from its first write on, so
+that it exists even when every adapter was unloaded: a hash that is missing means a
+Redis that lost its data (a restart without persistence), and a router then writes
+what it has in memory back.
 """
 
 from __future__ import annotations
