@@ -23,30 +23,37 @@ SIMD_FLAGS = ("fma", "f16c", "avx", "avx2", "avx_vnni", "avx512f", "avx512bw", "
               "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
+def cpuinfo_field(key: str) -> str:
+    """The first value of ``key`` in /proc/cpuinfo (``model name``, ``vendor_id``), or ""."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == key:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_model() -> str:
     """The CPU's model name and the SIMD flags the kernels and torch choose paths by
     (machines here differ: one had AVX-512 with BF16, another only AVX2), e.g.
     ``AMD EPYC (fma f16c avx avx2 avx512f ...)``."""
-    name = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-                break
-    except OSError:
-        pass
     flags = CpuFeatures.detect().flags
-    return f"{name} ({' '.join(f for f in SIMD_FLAGS if f in flags) or 'no AVX'})"
+    return f"{cpuinfo_field('model name') or 'unknown'} ({' '.join(f for f in SIMD_FLAGS if f in flags) or 'no AVX'})"
 
 
 def isa_results(name: str) -> str:
     """The results file of a CPU-speed benchmark for this machine's instruction set:
-    ``name`` on a CPU with AVX-512, ``name-avx2`` on one with AVX2 but not AVX-512,
-    ``name-x86-64`` below that. The machines here change from day to day; each kind
-    keeps its own latest run instead of one overwriting the other."""
+    ``name`` on an Intel CPU with AVX-512, ``name-amd-avx512`` on an AMD one (Zen 4
+    runs a 512-bit instruction as two 256-bit halves: its kernels rank differently),
+    ``name-avx2`` on one with AVX2 but not AVX-512, ``name-x86-64`` below that. The
+    machines here change from day to day; each kind keeps its own latest run instead of
+    one overwriting the other."""
     flags = CpuFeatures.detect().flags
-    return name if "avx512f" in flags else f"{name}-avx2" if "avx2" in flags else f"{name}-x86-64"
+    if "avx512f" in flags:
+        return f"{name}-amd-avx512" if cpuinfo_field("vendor_id") == "AuthenticAMD" else name
+    return f"{name}-avx2" if "avx2" in flags else f"{name}-x86-64"
 
 
 def machine() -> dict:

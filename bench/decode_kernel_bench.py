@@ -5,7 +5,7 @@ built beside today's and timed interleaved in one run.
 
 Shapes of the default model (SmolLM2-135M: 9 query heads, 3 KV heads of 64, intermediate
 1536), float32, the KV cache's blocks scattered over the pool as a long-running server
-leaves them. Results go to ``decode-kernels.md`` (``-avx2`` on a CPU without AVX-512).
+leaves them. Results go to ``decode-kernels.md`` (``-amd-avx512``, ``-avx2``: ``common.isa_results``).
 
     python -m bench.decode_kernel_bench [--contexts 64,512,2048] [--batches 1,16] [--reps 200] [--against REF]
 """

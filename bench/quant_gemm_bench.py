@@ -7,8 +7,8 @@ multiplies; the weights are far larger than the caches, so they stream from memo
 layers quantized as ``--quantize`` packs them: int8 with one scale a row, int4 in groups
 of 32. The LM head is left out (``cpu_gemm_bench`` times it in float32; ``--quantize
 int4`` keeps it int8). *bound*: the pass's weight bytes ÷ this machine's copy bandwidth
-(``quantization_bench``'s). Results go to ``quant-kernels.md`` (``-avx2`` on a CPU
-without AVX-512).
+(``quantization_bench``'s). Results go to ``quant-kernels.md`` (``-amd-avx512``, ``-avx2``:
+``common.isa_results``).
 
     python -m bench.quant_gemm_bench [--models default,small] [--rows 1,2,4,8] [--reps 9] [--against REF]
                                      [--march native|x86-64-v3]
@@ -17,7 +17,7 @@ without AVX-512).
 measured on a machine that has more (``quant-kernels-x86-64-v3.md``). ``--levels
 x86-64-v4-vnni,x86-64-v4,...`` instead times this checkout's kernels built for each of
 those x86-64 levels (``engine/kernels.py``'s, the shard image's prebuilt modules) side by
-side, each against the first (``quant-kernels-levels.md``).
+side, each against the first (``quant-kernels-levels.md``, or this machine's kind's file).
 
     python -m bench.quant_gemm_bench --levels x86-64-v4-vnni,x86-64-v4,x86-64-v3-vnni,x86-64-v3
 """
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--levels", help="time builds for these x86-64 levels side by side instead")
     parser.add_argument("--render", action="store_true")
     args = parser.parse_args()
-    results_name = ("quant-kernels-levels" if args.levels
+    results_name = (isa_results("quant-kernels-levels") if args.levels
                     else isa_results("quant-kernels") if args.march == "native" else f"quant-kernels-{args.march}")
     if args.render:
         rerender(results_name, render)

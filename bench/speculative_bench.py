@@ -199,8 +199,8 @@ def main() -> None:
                              "interleaved: speeds are medians, speed-ups the median of each round's ratio; results "
                              "in speculative-rounds*.md")
     parser.add_argument("--render", action="store_true",
-                        help="only rewrite this kind of machine's results (speculative.md; speculative-avx2.md "
-                             "without AVX-512) from its .json")
+                        help="only rewrite this kind of machine's results (speculative.md, or the "
+                             "-amd-avx512 or -avx2 file: common.isa_results) from its .json")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")

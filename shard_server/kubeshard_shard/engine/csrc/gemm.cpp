@@ -798,7 +798,7 @@ static inline void reduce_two(__m512 a, __m512 b, float& sa, float& sb) {
 // lambdas below inlined (KS_INLINE: out of line, they kept the accumulators in memory)
 // and the rest of a row in vectors (the last chunk masked, its minimums' terms with the
 // others): a pass over the default model's int4 layers against the kernel before, side
-// by side (bench/results/quant-kernels-epyc-zen4.md, 2026-12-07, EPYC Zen 4, 2 cores):
+// by side (bench/results/quant-kernels-amd-avx512.md, 2026-12-07, EPYC Zen 4, 2 cores):
 // 1.12x at one row of x, 1.31x at two, 1.26x at four, 1.22x at eight (the unchanged int8
 // kernel read 0.98-1.23x in the same run: this machine's noise). Not measured on Intel.
 template <int MR, int NR, bool kOneGroup>
