@@ -32,6 +32,9 @@ Fixture API (a contract: other tests code against it)
     A fresh namespace (``e2e-<test name>-<random>``) whose ``default`` service
     account exists; deleted after the test (not waited for).
 
+A test using ``cluster`` that fails carries the cluster's state in its report (pods,
+unwell pods' container states and log tails, warning events: ``e2e.diagnostics``).
+
 Helpers: ``from e2e.waiting import wait_for`` —
 ``wait_for(fn, timeout, interval=0.5, what="...")`` calls fn until it returns a truthy
 value (returned), and on timeout raises AssertionError naming ``what`` and the last
@@ -103,3 +106,16 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A test that takes the session's cluster down must come after every test using it.
     items.sort(key=lambda item: item.get_closest_marker("cluster_lifecycle") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # A test on a cluster that fails carries the cluster's state (e2e/diagnostics.py),
+    # read before its namespace is deleted: on kind in CI, nothing else is left after.
+    outcome = yield
+    report = outcome.get_result()
+    cluster = getattr(item, "funcargs", {}).get("cluster")
+    if report.failed and report.when in ("setup", "call") and isinstance(cluster, Cluster):
+        from e2e.diagnostics import cluster_report
+
+        report.sections.append(("cluster state at the failure", cluster_report(cluster)))
