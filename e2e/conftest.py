@@ -30,7 +30,7 @@ Fixture API (a contract: other tests code against it)
 
 ``namespace`` (function scope) -> str
     A fresh namespace (``e2e-<test name>-<random>``) whose ``default`` service
-    account exists; deleted after the test (not waited for).
+    account and ``kube-root-ca.crt`` exist; deleted after the test (not waited for).
 
 A test using ``cluster`` that fails carries the cluster's state in its report (pods,
 unwell pods' container states and log tails, warning events: ``e2e.diagnostics``).
@@ -87,8 +87,11 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest):
     base = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"e2e-{base}-{uuid.uuid4().hex[:5]}"
     cluster.kubectl("create", "namespace", name)
-    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
-             timeout=60, what=f"the default service account of namespace {name}")
+    # and its kube-root-ca.crt: a pod made before the controller publishes it waits on a
+    # failed mount of its service-account volume, retried with a growing delay
+    for kind, obj in (("serviceaccount", "default"), ("configmap", "kube-root-ca.crt")):
+        wait_for(lambda: cluster.kubectl("get", kind, obj, "-n", name, check=False).returncode == 0,
+                 timeout=60, what=f"the {kind} {obj} of namespace {name}")
     try:
         yield name
     finally:
