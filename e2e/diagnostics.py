@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from e2e.cluster import Cluster
+from e2e.cluster import Cluster, CommandFailed
 
 READ_TIMEOUT = 20  # seconds a kubectl read may take
 
@@ -23,8 +23,8 @@ def _kubectl(cluster: Cluster, *args: str) -> str:
     """kubectl's output, or a line saying why there is none."""
     try:
         out = cluster.kubectl(*args, check=False, timeout=READ_TIMEOUT)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"(kubectl {' '.join(args)}: {exc!r})"
+    except (OSError, subprocess.SubprocessError, CommandFailed) as exc:  # CommandFailed: it timed out
+        return f"(kubectl {' '.join(args)}: {str(exc).strip()[:500]})"
     if out.returncode != 0:
         return f"(kubectl {' '.join(args)} exited {out.returncode}: {out.stderr.strip()[-500:]})"
     return out.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from e2e import diagnostics
 from e2e.cluster import Cluster
 from e2e.diagnostics import cluster_report, container_problem
 from e2e.kube import apply, get, pod
@@ -59,3 +60,12 @@ def test_a_container_that_ran_well_is_no_problem():
                               "state": {"waiting": {"reason": "CrashLoopBackOff"}},
                               "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}) \
         == "waiting: CrashLoopBackOff; restarted 2x, last exit: OOMKilled, exit code 137"
+
+
+def test_a_kubectl_read_that_times_out_becomes_a_line_not_an_exception(cluster: Cluster, monkeypatch):
+    # the report runs inside pytest's report hook: an exception there would replace the
+    # failure it describes with an internal error
+    monkeypatch.setattr(diagnostics, "READ_TIMEOUT", 0.001)
+    report = cluster_report(cluster)
+    assert "$ kubectl get pods -A -o wide" in report
+    assert "did not finish within" in report, report
