@@ -25,6 +25,9 @@ INT8_GROUPS = [(m, n, kdim, group) for m, n, kdim in SHAPES for group in (32, 64
 INT4_GROUPS = [(m, n, kdim, group, symmetric) for m, n, kdim in SHAPES
                for group, symmetric in ((32, False), (32, True), (64, False), (128, False), (256, True))
                if kdim % group == 0]
+# rows ending 1, 4, 5 and 7 blocks past a sweep of eight blocks (the AVX-512 kernel's
+# last, partial sweep; SHAPES end 0, 2, 3 and 6 past one); 9 W rows: pairs and a last one
+INT4_GROUPS += [(2, 9, kdim, 32, False) for kdim in (32, 128, 160, 224)]
 
 
 def kernels_for_level(level: str):
