@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubeshard_shard.paths import build_once
+from kubeshard_shard.paths import build_once, save_safetensors
 
 # Bump when the written files change, so cached folders of an older format are rebuilt.
 FORMAT_VERSION = 1
@@ -199,11 +199,9 @@ def _weights(arch: str, shape: Shape, seed: int) -> dict:
 
 
 def _save_weights(weights: dict, out: Path, sharded: bool) -> None:
-    from safetensors.torch import save_file
-
     meta = {"format": "pt"}
     if not sharded:
-        save_file(weights, str(out / "model.safetensors"), metadata=meta)
+        save_safetensors(weights, out / "model.safetensors", meta)
         return
     names = list(weights)
     half = len(names) // 2
@@ -212,7 +210,7 @@ def _save_weights(weights: dict, out: Path, sharded: bool) -> None:
              "weight_map": {}}
     for n, part in enumerate(parts, start=1):
         fname = f"model-{n:05d}-of-{len(parts):05d}.safetensors"
-        save_file({k: weights[k] for k in part}, str(out / fname), metadata=meta)
+        save_safetensors({k: weights[k] for k in part}, out / fname, meta)
         for k in part:
             index["weight_map"][k] = fname
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -262,8 +260,6 @@ def write_demo_model(out_dir: Path | str, arch: str = "llama", size: str = "tiny
         {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2) + "\n")
 
     _save_weights(_weights(arch, shape, seed), out, sharded=(size == "small"))
-    for f in out.glob("*.safetensors"):
-        f.chmod(0o644)  # safetensors writes 0600; pods running as another user must read it
     (out / "README.md").write_text(
         f"kubeshard demo checkpoint: arch={arch} size={size} seed={seed} (random weights, for tests "
         "and benchmarks only; it generates gibberish).\n")

@@ -35,3 +35,13 @@ def build_once(target: Path, build: Callable[[Path], None], marker: str = "confi
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, then readable by every user like the folder's other
+    files (it writes 0600 whatever the umask): a model server running as another user (a
+    pod's uid 10001 reading what the host's root wrote) must read the checkpoints built here."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    path.chmod(0o644)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -22,6 +23,16 @@ def test_demo_model_is_deterministic(tmp_path):
     for name in ("config.json", "tokenizer.json", "model.safetensors", "tokenizer_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_demo_model_files_are_readable_by_every_user(tmp_path):
+    """Pods (uid 10001) mount demo models the host's user wrote: the weights too, one
+    file or several (safetensors writes them 0600)."""
+    for size in ("tiny", "small"):
+        folder = write_demo_model(tmp_path / size, "llama", size)
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()}
+        assert sum(name.endswith(".safetensors") for name in modes) == (1 if size == "tiny" else 2)
+        assert all(mode & 0o444 == 0o444 for mode in modes.values()), modes
 
 
 def test_small_demo_model_has_the_benchmark_shape_and_loads_in_transformers(demo_model):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,18 @@ def test_conversion_is_cached_and_keyed_by_content(demo_model, tmp_path):
     write_gguf(demo_model("mistral"), path, "Q4_0")  # same name, new content: a new conversion
     assert local_checkpoint(path) != first
     assert served_name(path) == "m"
+
+
+def test_the_converted_checkpoint_is_readable_by_every_user(demo_model, tmp_path):
+    """A pod's model server (uid 10001) reads a conversion the host's user wrote into a
+    folder it mounts: the weights too (safetensors writes them 0600), as the other files."""
+    folder = local_checkpoint(write_gguf(demo_model("mistral"), tmp_path / "m.gguf", "Q8_0"))
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()}
+    assert "model.safetensors" in modes
+    assert all(mode & 0o444 == 0o444 for mode in modes.values()), modes
+    (folder / "model.safetensors").chmod(0o600)  # as conversions were cached before
+    assert local_checkpoint(tmp_path / "m.gguf") == folder
+    assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o644
 
 
 def test_truncated_and_corrupt_files_are_refused_with_the_reason(demo_model, tmp_path):

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from kubeshard_shard.models.config import CheckpointError
-from kubeshard_shard.paths import build_once
+from kubeshard_shard.paths import build_once, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,6 @@ def hf_tokenizer(reader) -> tuple[str, dict]:
 def convert(path: Path, out: Path) -> None:
     """Writes the Hugging Face folder of the GGUF file ``path`` into ``out``."""
     import torch
-    from safetensors.torch import save_file
 
     reader = open_gguf(path)
     config = hf_config(reader)
@@ -288,7 +287,7 @@ def convert(path: Path, out: Path) -> None:
     if "model.embed_tokens.weight" not in tensors:
         raise CheckpointError(f"{path}: the GGUF file has no token_embd.weight")
     out.mkdir(parents=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    save_safetensors(tensors, out / "model.safetensors", {"format": "pt", "source": path.name})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / TENSOR_TYPES_FILE).write_text(json.dumps(types, indent=2, sort_keys=True))
     (out / "tokenizer.json").write_text(tokenizer_json)
@@ -312,9 +311,16 @@ def converted_checkpoint(path: Path, cache: Path) -> Path:
     if not (target / "config.json").is_file():
         log.info("converting %s to a checkpoint folder under %s (once)", path, cache)
     try:
-        return build_once(target, lambda out: convert(path, out))
+        folder = build_once(target, lambda out: convert(path, out))
     except OSError as exc:
         raise CheckpointError(
             f"cannot write the converted checkpoint of {path.name} into the cache folder {cache} "
             f"({exc.strerror or exc}); point KUBESHARD_CACHE at a writable folder (on Kubernetes: the chart's "
             f"shardServer.cacheDir, or leave it empty for the pod's own /tmp)") from exc
+    weights = folder / "model.safetensors"
+    try:  # conversions cached before 2026-12-07 kept safetensors' 0600 (save_safetensors)
+        if weights.stat().st_mode & 0o444 != 0o444:
+            weights.chmod(0o644)
+    except OSError:  # another user's cache: it reads as it is
+        pass
+    return folder
