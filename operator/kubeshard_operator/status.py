@@ -57,7 +57,10 @@ def pod_problem(pod: Mapping[str, Any]) -> Optional[str]:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason")
         if reason in FATAL_REASONS:
-            detail = waiting.get("message") or _last_termination(cs) or ""
+            # a crash loop's own message is the kubelet's back-off ("back-off 5m0s restarting
+            # failed container=..."): the run that crashed says why
+            crashed = _last_termination(cs) if reason == "CrashLoopBackOff" else None
+            detail = crashed or waiting.get("message") or _last_termination(cs) or ""
             return f"{reason}: {detail}".strip().rstrip(":")
     return None
 

@@ -85,4 +85,11 @@ def test_pod_problem_reads_scheduling_and_container_states():
                                      "message": "loading\nValueError: shards=3 does not divide 4 heads"}}}]}}
     problem = pod_problem(crash)
     assert problem.startswith("CrashLoopBackOff") and "does not divide" in problem
+    # as a kubelet reports it: the back-off in the waiting message, the cause in the last run
+    crash["status"]["containerStatuses"][0]["state"]["waiting"]["message"] = (
+        "back-off 5m0s restarting failed container=shard pod=m-g0-0_ns(1181926f)")
+    assert pod_problem(crash) == "CrashLoopBackOff: exit code 3 (Error) ValueError: shards=3 does not divide 4 heads"
+    pulling = {"status": {"containerStatuses": [{
+        "state": {"waiting": {"reason": "ErrImagePull", "message": "pull access denied for nope/shard"}}}]}}
+    assert pod_problem(pulling) == "ErrImagePull: pull access denied for nope/shard"
     assert pod_problem({"status": {"phase": "Running"}}) is None
