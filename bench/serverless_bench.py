@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import sys
 import threading
@@ -36,6 +37,7 @@ import yaml
 from bench.common import RESULTS, machine, percentile
 from e2e.operator.conftest import CHART, CRDS, INSTALL_VALUES, RELEASE, inference_service
 from e2e.waiting import wait_for
+from kubeshard_shard.checkpoints import default_model_file, local_checkpoint
 from kubeshard_shard.paths import cache_root
 from tests.support.sse import sse_data, sse_events
 
@@ -92,8 +94,17 @@ class Bench:
         self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
 
     def wait_phase(self, name: str, phase: str, timeout: float = 600) -> None:
-        wait_for(lambda: (self.isvc(name).get("status") or {}).get("phase") == phase, timeout, interval=0.5,
-                 what=f"{name} {phase}")
+        """Until the InferenceService reaches ``phase``; raises at once, with its false
+        conditions' messages (a crash's last line among them), should it fail instead."""
+        def settled() -> Optional[dict]:
+            status = self.isvc(name).get("status") or {}
+            return status if status.get("phase") in (phase, "Failed") else None
+
+        status = wait_for(settled, timeout, interval=0.5, what=f"{name} {phase}")
+        if status["phase"] != phase:
+            why = "; ".join(f"{c.get('type')}: {c.get('message')}" for c in status.get("conditions") or ()
+                            if c.get("status") == "False" and c.get("type") not in ("ScaledToZero", "Available"))
+            raise RuntimeError(f"{name} failed while waiting for {phase}: {why}")
 
     # -- cold start ------------------------------------------------------------------------
 
@@ -115,8 +126,7 @@ class Bench:
             samples.append(self._one_cold_start(name, url, router_pod, body))
             print(f"  {name} cold start {run + 1}/{runs}: {samples[-1]['total_s']:.2f} s to the first token",
                   flush=True)
-        keys = [k for k in samples[0] if k.endswith("_s")]
-        return {"runs": samples, "median": {k: percentile([s[k] for s in samples], 50) for k in keys}}
+        return {"runs": samples, "median": medians(samples)}
 
     def _one_cold_start(self, name: str, url: str, router_pod: str, body: dict) -> dict:
         seen: dict[str, float] = {}
@@ -204,7 +214,7 @@ class Bench:
         replicas: list[tuple[float, int, int]] = []  # (time, spec.replicas, status.readyReplicas)
         one_group = lambda: bool(replicas) and replicas[-1][1:] == (1, 1)  # noqa: E731
         phases = [Phase("0 -> 1", 1.0, 60, SHORT, until=one_group, max_seconds=300),
-                  Phase("1 -> N", 3.0, 150, STEP, stream=True),
+                  Phase("1 -> N", STEP_RATE, 150, STEP, stream=True),
                   Phase("N -> 1", 1.0, 120, SHORT)]
         stop = threading.Event()
         step = StepWatch()
@@ -284,7 +294,12 @@ class Bench:
 
 SCALING_TARGET = 1  # concurrency per group, the HPA's AverageValue target
 SHORT = 24          # new tokens of the steady requests
-STEP = 192          # new tokens of the step's streams: each holds a slot for seconds
+# The step: streams long enough, and often enough, that the router's concurrency stays
+# several times the target. 3/s of 192 tokens did until the engine got faster: on
+# 2026-12-07 a stream took 0.24 s (p50), the concurrency's median was 1 and no second
+# group was asked for; 384 tokens (of the model's 512) at 6/s make it about 3.
+STEP = 384          # new tokens of the step's streams
+STEP_RATE = 6.0     # the step's requests a second
 
 
 @dataclass
@@ -397,13 +412,10 @@ async def open_loop(url: str, model: str, phases: list[Phase],
     return results, starts
 
 
-def default_model_dir() -> Optional[Path]:
-    """The converted folder of SmolLM2-135M-Instruct (`make run` writes it)."""
-    models = cache_root() / "models"
-    for d in sorted(models.glob("*"), key=lambda p: p.stat().st_mtime, reverse=True) if models.is_dir() else []:
-        if (d / "config.json").is_file() and "smollm2" in d.name.lower() and "135m" in d.name.lower():
-            return d
-    return None
+def medians(samples: list[dict]) -> dict[str, float]:
+    """Each step's median over the runs that timed it (a run may miss a mark: NaN there)."""
+    keys = [k for k in samples[0] if k.endswith("_s")]
+    return {k: percentile([s[k] for s in samples if not math.isnan(s[k])], 50) for k in keys}
 
 
 def write(results: dict) -> None:
@@ -431,7 +443,8 @@ def write(results: dict) -> None:
             continue
         lines += [f"## Cold start from zero: {title}", "", *ran(cs),
                   f"A streaming request at zero replicas until its first token; median of "
-                  f"{len(cs['runs'])} runs (each: idle 5 s, scaled to zero, then one request).", "",
+                  f"{len(cs['runs'])} runs (each: idle 5 s, scaled to zero, then one request); -: a mark this "
+                  "process did not see in that run (a step's median is over the runs that timed it).", "",
                   "| step | median s | " + " | ".join(f"run {i + 1}" for i in range(len(cs["runs"]))) + " |",
                   "|---|---:|" + "---:|" * len(cs["runs"])]
         for i, step in enumerate(cs["runs"][0]["steps"]):
@@ -536,13 +549,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "tiny", tiny, args.runs, {"maxTotalTokens": 256, "kvCacheMemory": "64Mi"},
                 {"cpu": "1", "memory": "1Gi"}, args.dtype))
         if args.what in ("coldstart-default", "all"):
-            model = default_model_dir()
-            if model is None:
-                print("no converted SmolLM2-135M-Instruct folder under the cache: run `make run` once", file=sys.stderr)
-            else:
-                scenario("coldstart_default", lambda: bench.cold_start(
-                    "smollm2", model, args.runs, {"maxTotalTokens": 2048, "kvCacheMemory": "256Mi"},
-                    {"cpu": "1", "memory": "3Gi"}, args.dtype))
+            model = local_checkpoint(default_model_file())  # SmolLM2-135M-Instruct, converted once
+            scenario("coldstart_default", lambda: bench.cold_start(
+                "smollm2", model, args.runs, {"maxTotalTokens": 2048, "kvCacheMemory": "256Mi"},
+                {"cpu": "1", "memory": "3Gi"}, args.dtype))
         if args.what in ("scaling", "all"):
             scenario("scaling", lambda: bench.scaling(tiny, args.dtype))
     finally:
