@@ -199,7 +199,7 @@ class Bench:
         """0 -> 1 -> N -> 1 -> 0 under an open-loop load that never pauses. The first phase
         runs until one group is left (the requests held at zero count as concurrency, so
         the HPA may ask for more groups while the first one loads); the step then sends
-        long streams at a rate whose concurrency is several times the HPA's target, and the
+        long streams at a rate whose concurrency is above the HPA's target, and the
         second group counts as serving once the router has a request outstanding on it."""
         name = "elastic"
         self.apply(inference_service(name, self.ns, model_dir, engine={"maxTotalTokens": 512, "kvCacheMemory": "64Mi"},
@@ -295,9 +295,9 @@ class Bench:
 SCALING_TARGET = 1  # concurrency per group, the HPA's AverageValue target
 SHORT = 24          # new tokens of the steady requests
 # The step: streams long enough, and often enough, that the router's concurrency stays
-# several times the target. 3/s of 192 tokens did until the engine got faster: on
-# 2026-12-07 a stream took 0.24 s (p50), the concurrency's median was 1 and no second
-# group was asked for; 384 tokens (of the model's 512) at 6/s make it about 3.
+# above the target. 3/s of 192 tokens did until the engine got faster: on 2026-12-07 a
+# stream took 0.24 s (p50), the concurrency's median was 1 and no second group was asked
+# for; 384 tokens (of the model's 512) at 6/s: a median of 2, and three groups asked for.
 STEP = 384          # new tokens of the step's streams
 STEP_RATE = 6.0     # the step's requests a second
 
