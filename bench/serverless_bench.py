@@ -151,7 +151,10 @@ class Bench:
                         if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or ()):
                             seen.setdefault("ready", now)
                             if "proc" not in seen and self.cluster.is_local:
-                                seen["proc"] = process_start(self.cluster.pod_pids(self.ns, pod_name))
+                                # no pid read yet (the node's lookup can miss for a moment): again
+                                started = process_start(self.cluster.pod_pids(self.ns, pod_name))
+                                if started is not None:
+                                    seen["proc"] = started
                 except Exception:
                     pass
                 if "ready" in seen and "proc" in seen:
