@@ -18,7 +18,7 @@ import urllib.request
 
 from bench.common import demo_model, grpc_workload, kubeshard, machine, peak_rss_bytes, \
     write_results
-from tests.support.ports import reservable_port
+from tests.support.ports import free_port
 from tests.support.processes import start
 from tests.support.shard_process import READY as SHARD_READY
 
@@ -41,7 +41,7 @@ def scrape(port: int, name: str) -> float:
 
 
 def run_config(model_dir, strategy: str, shards: int, device: str, dtype: str, prompts, warm) -> dict:
-    master, port, metrics = reservable_port(), reservable_port(), reservable_port()
+    master, port, metrics = free_port(), free_port(), free_port()
     threads = max(1, 2 // shards) if device == "cpu" else 1
     common = ["--model", str(model_dir), "--host", "127.0.0.1", "--device", device, "--dtype", dtype,
               "--strategy", strategy, "--shards", str(shards), "--master-addr", "127.0.0.1",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from kubeshard_shard.checkpoints import DEFAULT_MODEL_ID, default_model_file, local_checkpoint, served_name
 from kubeshard_shard.config import EngineConfig
+from kubeshard_shard.ports import free_port
 from kubeshard_shard.runtimes.peers import PEERS, Launch, PeerRuntime
 
 READY_LINE = "kubeshard ready on http://"
@@ -36,12 +36,6 @@ SHARD_READY = "kubeshard shard ready"
 STARTUP_TIMEOUT_S = 600.0
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 1.0, 30.0
 RESTART_RESET_S = 60.0  # a group serving this long starts its back-off from the bottom again
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -159,9 +159,9 @@ def test_killing_a_rank_ends_streams_and_the_group_then_a_restart_serves(demo_mo
 def test_leader_is_not_serving_until_every_rank_has_loaded(demo_model):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tests.support.ports import reservable_port
+    from tests.support.ports import free_port
 
-    master, port = reservable_port(), reservable_port()
+    master, port = free_port(), free_port()
     common = ["--strategy", "tensor", "--shards", "2", "--master-port", str(master), "--kv-cache-memory", "16MiB"]
     leader = start_shard(demo_model("llama"), *common, "--rank", "0", port=port, wait=False)
     try:

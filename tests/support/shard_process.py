@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from kubeshard_proto import pb, pb_grpc
-from tests.support.ports import free_port, reservable_port
+from tests.support.ports import free_port
 from tests.support.processes import Proc, start, wait_exit
 
 __all__ = ["ShardProcess", "ShardGroup", "start_shard", "start_group", "wait_exit", "shard_command"]
@@ -86,7 +86,7 @@ class ShardGroup:
 def start_group(model_dir, strategy: str, shards: int, *flags: str, port: int = 0, master_port: int | None = None,
                 timeout: float = 240, follower_flags: dict[int, list[str]] | None = None) -> ShardGroup:
     """Starts ranks 1..N-1 then the leader, each its own process, and waits for the leader."""
-    master_port = master_port or reservable_port()
+    master_port = master_port or free_port()
     common = ["--strategy", strategy, "--shards", str(shards), "--master-addr", "127.0.0.1",
               "--master-port", str(master_port), "--num-threads", "1", *flags]
     if os.environ.get("KUBESHARD_TEST_DEVICE"):  # bench/cuda_check.py runs these on GPUs
