@@ -20,7 +20,7 @@ from kubeshard_shard.config import EngineConfig
 from kubeshard_shard.models import quant
 
 from tests.support.cpu_kernels import (F32_SHAPES, INT4_GROUPS, INT8_GROUPS, check_float32_kernel,
-                                       check_int4_kernel, check_int8_kernel, kernels_for_level)
+                                       check_int4_kernel, check_int8_kernel, exact_q4, kernels_for_level)
 from tests.support.engine import (build_engine, greedy, prefill_logits, random_prompts, relative_rms,
                                   run_to_completion)
 
@@ -71,6 +71,30 @@ def test_int8_kernel_is_exact_integer_arithmetic(k, m, n, kdim, group):
 @pytest.mark.parametrize("m,n,kdim,group,symmetric", INT4_GROUPS)
 def test_int4_kernel_is_exact_integer_arithmetic(k, m, n, kdim, group, symmetric):
     check_int4_kernel(k, m, n, kdim, group, symmetric)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_integer_kernels_give_the_same_bits_on_any_number_of_threads(k, m):
+    """The row kernels hand W's rows to the threads in chunks that a free thread may take
+    from another's share (csrc/parallel.h): every row is still computed once, and which
+    thread computes it does not change its bits. 999 rows: 32 chunks, the last partial
+    and odd (the int4 kernel's pairs end in a row alone)."""
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=gen), torch.randn(999, 576, generator=gen) * 0.05
+    q8 = quant.quantize_q8(w, 32)
+    q4 = quant.quantize_q4(w, 32, False)
+    products = {"int8": lambda: k.gemm_q8(x, *q8, 32, None), "int4": lambda: k.gemm_q4(x, *q4, 32, None)}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = {name: gemm() for name, gemm in products.items()}
+        torch.set_num_threads(2)
+        for _ in range(20):
+            for name, gemm in products.items():
+                assert torch.equal(gemm(), alone[name]), name
+    finally:
+        torch.set_num_threads(threads)
+    assert (alone["int4"].double() - exact_q4(x, *q4, 32)).abs().max() <= 1e-5 * alone["int4"].abs().max()
 
 
 def test_dequantized_rows_equal_the_reference_bit_for_bit(k):

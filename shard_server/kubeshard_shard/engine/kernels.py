@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.cpp", "gemm.cpp", "packed_gemm.cpp", "fused.cpp", "fused_decode.cpp", "lora.cpp",
            "logits.cpp", "grammar_mask.cpp", "bindings.cpp")
-HEADERS = ("simd.h", "kernels.h", "fused_decode.h", "lora.h")
+HEADERS = ("simd.h", "kernels.h", "fused_decode.h", "lora.h", "parallel.h")
 
 
 PREBUILT_ENV = "KUBESHARD_PREBUILT_KERNELS"

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace ks {
@@ -353,6 +354,10 @@ static inline __m256i dot32(__m256i wa, __m256i wb, const int16_t* x) {
 #endif
 
 // ------------------------------------------------------------------ int8 and int4 rows
+// Rows of W a thread takes at a time in the row-by-row kernels (parallel_chunks): even,
+// so that the int4 kernel's pairs of rows stay pairs.
+constexpr int64_t kRowChunk = 32;
+
 // How a quantized format's weight rows are read, from a tile's first row: each block of
 // 32 weights as two vectors of 16 int16 (AVX2) or one integer dot (scalar), each group's
 // float16 scale, and what an output adds beyond the blocks' dots (int4's minimums).
@@ -896,12 +901,12 @@ static int64_t q4_step512(const QuantX& qx, int64_t m, int64_t M, int64_t K, con
   return 1;
 }
 
-// The int4 GEMM on AVX-512: W's rows two at a time (q4_rows512), a thread's last odd
-// row alone.
+// The int4 GEMM on AVX-512: W's rows in chunks (parallel_chunks), two at a time
+// (q4_rows512), an odd last row (W's, the chunks being even) alone.
 template <typename RowsAt>
 static void q4_gemm512(const QuantX& qx, int64_t M, int64_t N, int64_t K, RowsAt rows, int shift, bool one_group,
                        float* yp, const float* b) {
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(N, kRowChunk, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n += 2)
       for (int64_t m = 0; m < M;) {
         if (n + 1 < n1) {
@@ -934,7 +939,7 @@ static void quant_gemm(int64_t M, int64_t K, int64_t N, int64_t G, const float* 
       return;
     }
 #endif
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    parallel_chunks(N, kRowChunk, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t m = 0; m < M;) {
           const int64_t left = M - m;
