@@ -1,12 +1,13 @@
 """The finalizer's Redis cleanup against a real redis-server."""
 
-import socket
 import time
 
 import pytest
 import redis
 
 from kubeshard_operator.cleanup import delete_model_keys, model_key_pattern, redact
+
+from tests.support.ports import free_port
 
 
 def test_removes_every_revision_of_the_model_and_nothing_else(redis_url):
@@ -31,9 +32,7 @@ def test_glob_characters_in_a_model_name_match_literally(redis_url):
 
 
 def test_unreachable_redis_fails_fast_instead_of_blocking():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens on it
     started = time.monotonic()
     with pytest.raises((redis.RedisError, OSError)):
         delete_model_keys(f"redis://127.0.0.1:{port}/0", "tiny", timeout=0.5)
